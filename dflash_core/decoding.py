@@ -1,0 +1,152 @@
+"""Decoding with the target in the loop: plain greedy decoding and real greedy speculative decoding.
+
+`speculative_decode` is the oracle the offline replay is tested against (and, later, the way to
+measure wall-clock speedup). It drafts a block, verifies it with the target, keeps the accepted
+prefix plus the target's bonus token, and rolls the target's cache back to what was kept.
+
+Rolling back: attention KV caches are cropped. Hybrid targets (Qwen3.5/3.6 Gated DeltaNet layers)
+also carry a recurrent state that has absorbed every verified token, rejected ones included, and
+`crop` cannot undo that. For them the recurrent state is snapshotted before verification and, when
+a block is only partly accepted, restored and advanced over the kept tokens alone.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+from .drafter import DFlashDrafter, check_compatible
+from .target import Target
+
+
+@dataclass
+class DecodeResult:
+    """output_ids: prompt + completion. acceptance_lengths: tokens emitted per verification step."""
+
+    output_ids: list[int]
+    prompt_len: int
+    acceptance_lengths: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+
+
+def _check_prompt(target: Target, prompt_ids, max_new_tokens: int) -> list[int]:
+    prompt_ids = [int(t) for t in prompt_ids]
+    if not prompt_ids:
+        raise ValueError("empty prompt")
+    bad = [t for t in prompt_ids if not 0 <= t < target.vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the target's vocabulary of {target.vocab_size}")
+    if target.max_positions is not None and len(prompt_ids) + max_new_tokens > target.max_positions:
+        raise ValueError(
+            f"prompt of {len(prompt_ids)} tokens + {max_new_tokens} new tokens exceeds the target's context of "
+            f"{target.max_positions} positions: shorten the prompt or lower max_new_tokens"
+        )
+    return prompt_ids
+
+
+def _crop(cache, length: int) -> None:
+    """Drop cached positions >= length (transformers 5 crops by a negative count)."""
+    cache.crop(-(cache.get_seq_length() - length))
+
+
+def _recurrent_states(cache) -> list:
+    return [layer for layer in cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def _snapshot(layers) -> list[dict]:
+    return [{i: s.clone() for i, s in layer.recurrent_states.items() if s is not None} for layer in layers]
+
+
+def _restore(layers, snapshot) -> None:
+    for layer, states in zip(layers, snapshot):
+        for i, s in states.items():
+            layer.recurrent_states[i].copy_(s)
+
+
+@torch.no_grad()
+def greedy_decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """Plain greedy decoding with a KV cache: prompt + completion, ending at a stop token (kept) or
+    after max_new_tokens."""
+    ids = _check_prompt(target, prompt_ids, max_new_tokens)
+    stop = set(stop_token_ids)
+    cache = target.new_cache()
+    next_input = torch.tensor([ids], device=target.device)
+    for _ in range(max_new_tokens):
+        logits = target.forward(next_input, cache=cache).logits
+        token = int(logits[0, -1].argmax())
+        ids.append(token)
+        if token in stop:
+            break
+        next_input = torch.tensor([[token]], device=target.device)
+    return ids
+
+
+@torch.no_grad()
+def speculative_decode(
+    target: Target, drafter: DFlashDrafter, prompt_ids, max_new_tokens: int, stop_token_ids=()
+) -> DecodeResult:
+    """Greedy speculative decoding with the target verifying every block.
+
+    Each step drafts [last token, MASK x (B-1)] from the features of all committed tokens, verifies it
+    in one target forward, and emits the accepted drafts plus the target's own next token. Emitted
+    tokens are clipped at a stop token and at max_new_tokens, exactly as the replay clips.
+    Its output equals greedy_decode's.
+    """
+    check_compatible(drafter, target.hidden_size, target.vocab_size, target.num_layers)
+    ids = _check_prompt(target, prompt_ids, max_new_tokens)
+    prompt_len, B, layer_ids = len(ids), drafter.block_size, drafter.target_layer_ids
+    max_len = prompt_len + max_new_tokens
+    stop = set(stop_token_ids)
+    embed = target.embed_weight.to(drafter.device, drafter.dtype)
+    head = target.head_weight.to(drafter.device, drafter.dtype)
+    result = DecodeResult(output_ids=ids, prompt_len=prompt_len)
+
+    def features(out, n):  # [K, n, H] for the first n positions of a forward
+        return torch.stack([out.features[i][0, :n] for i in layer_ids])
+
+    cache = target.new_cache()
+    cache.activate_past_recording()  # lets sliding-window and conv states crop back
+    out = target.forward(torch.tensor([ids], device=target.device), cache=cache, layer_ids=layer_ids)
+    ids.append(int(out.logits[0, -1].argmax()))
+    context = [[k, v] for k, v in drafter.context_kv(features(out, prompt_len))]
+    recurrent = _recurrent_states(cache)
+
+    start = prompt_len  # ids[start] is emitted but not yet seen by the target
+    while start + 1 < max_len and ids[start] not in stop:
+        block = torch.full((1, B), drafter.mask_token_id, dtype=torch.long, device=drafter.device)
+        block[0, 0] = ids[start]
+        ctx = [(k[None], v[None]) for k, v in context]
+        hidden = drafter(F.embedding(block, embed), torch.tensor([start], device=drafter.device), ctx)
+        drafts = (hidden[0, 1:] @ head.T).argmax(-1).tolist()  # B-1 drafted tokens
+
+        verify = [ids[start]] + drafts
+        snapshot = _snapshot(recurrent)
+        out = target.forward(torch.tensor([verify], device=target.device), cache=cache, layer_ids=layer_ids)
+        posterior = out.logits[0].argmax(-1).tolist()  # the target's token after each verified one
+        accepted = 0
+        while accepted < B - 1 and drafts[accepted] == posterior[accepted]:
+            accepted += 1
+        new_tokens = drafts[:accepted] + [posterior[accepted]]
+        new_tokens = new_tokens[: max_len - start - 1]
+        for j, t in enumerate(new_tokens):
+            if t in stop:
+                new_tokens = new_tokens[: j + 1]
+                break
+        step = len(new_tokens)
+
+        # keep the target's state for verify[:step] (positions start .. start+step-1)
+        if step < B and recurrent:
+            _crop(cache, start)
+            _restore(recurrent, snapshot)
+            target.forward(torch.tensor([verify[:step]], device=target.device), cache=cache)
+        _crop(cache, start + step)
+        for layer, (k, v) in zip(context, drafter.context_kv(features(out, step), start_position=start)):
+            layer[0] = torch.cat([layer[0], k], dim=1)
+            layer[1] = torch.cat([layer[1], v], dim=1)
+
+        ids.extend(new_tokens)
+        result.starts.append(start)
+        result.acceptance_lengths.append(step)
+        start += step
+    return result

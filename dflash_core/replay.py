@@ -1,0 +1,210 @@
+"""Offline replay: the acceptance lengths greedy speculative decoding would reach, without the target.
+
+At temperature 0 speculative decoding emits exactly the target's greedy continuation R, and the
+target's hidden states for R, teacher-forced, are what it computes while decoding. So for any drafter:
+
+    start = prompt_len                  # R[start] is the target's first output token
+    while start + 1 < len(R):
+        draft block [R[start], MASK x (B-1)] with context = features[:start]
+        a = leading k >= 1 with draft[k] == R[start + k], among the tokens R still has
+        step = min(a + 1, len(R) - 1 - start)   # accepted drafts + the target's bonus token
+        start += step
+
+The last step of a reference is clipped: R ends where the target stopped, so only the tokens R holds
+can be compared (this is also where an online loop stops).
+
+Speed: context keys/values are computed once per sequence (drafter.context_kv); blocks from many
+sequences or start positions run as one batch under a mask; the lm_head runs position by position
+only for blocks still matching, since positions after the first mismatch cannot change the answer.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .drafter import DFlashDrafter, check_compatible
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A greedy reference: the prompt followed by the target's greedy completion."""
+
+    prompt_len: int
+    token_ids: Sequence[int]
+
+    def __post_init__(self):
+        if not 0 < self.prompt_len < len(self.token_ids):
+            raise ValueError(
+                f"a reference needs a prompt and at least one completion token: prompt_len={self.prompt_len}, "
+                f"{len(self.token_ids)} tokens"
+            )
+
+
+@dataclass
+class ReplayResult:
+    """Acceptance lengths of one reference.
+
+    starts[i], acceptance_lengths[i]: the decode steps greedy speculative decoding takes, in order.
+    rejected_drafts[i]: the drafter's token at the first mismatching position of step i (-1 when the
+    step accepted every draft it could compare).
+    all_positions: acceptance length at every start position prompt_len .. len(R)-2 (all-positions
+    mode), or None when it was not computed.
+    """
+
+    starts: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)
+    rejected_drafts: list[int] = field(default_factory=list)
+    all_positions: list[int] | None = None
+
+
+class BlockScorer:
+    """Scores draft blocks of a set of references against those references."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, head_weight: torch.Tensor,
+                 references: Sequence[Reference], features: Sequence[torch.Tensor]):
+        if len(references) != len(features):
+            raise ValueError(f"{len(references)} references but {len(features)} feature tensors")
+        if embed_weight.shape != head_weight.shape:
+            raise ValueError(f"embedding {list(embed_weight.shape)} and head {list(head_weight.shape)} shapes differ")
+        vocab_size = embed_weight.shape[0]
+        check_compatible(drafter, hidden_size=embed_weight.shape[1], vocab_size=vocab_size)
+        for i, ref in enumerate(references):
+            bad = [t for t in ref.token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"reference {i}: token ids {bad[:5]} are outside the target's vocabulary of {vocab_size}")
+        self.drafter = drafter
+        self.B = drafter.block_size
+        device, dtype = drafter.device, drafter.dtype
+        self.embed = embed_weight.to(device=device, dtype=dtype)  # [V, H]
+        self.head = head_weight.to(device=device, dtype=dtype)  # [V, H]
+        self.tokens = [torch.as_tensor(list(r.token_ids), dtype=torch.long, device=device) for r in references]
+        self.context = []
+        for i, (ref, feats) in enumerate(zip(references, features)):
+            # features of the last token are never context (no step starts after it)
+            needed = len(ref.token_ids) - 1
+            if feats.shape[1] < needed:
+                raise ValueError(f"reference {i}: features cover {feats.shape[1]} tokens, the reference needs {needed}")
+            self.context.append(drafter.context_kv(feats[:, :needed]))
+
+    @torch.no_grad()
+    def score(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """Acceptance length and rejected draft token for each (reference index, start) block."""
+        N, B = len(blocks), self.B
+        seqs = [s for s, _ in blocks]
+        starts = torch.tensor([p for _, p in blocks], device=self.drafter.device)
+        S = int(starts.max())
+
+        # truth[n, k] = R[start + k] where R has it; available = how many tokens R has after the start
+        truth = torch.full((N, B), -1, dtype=torch.long, device=starts.device)
+        for n, (s, p) in enumerate(blocks):
+            after = self.tokens[s][p:p + B]
+            truth[n, :len(after)] = after
+        available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=starts.device)
+        # the drafter's input block: the bonus token R[start], then masks
+        ids = torch.full((N, B), self.drafter.mask_token_id, dtype=torch.long, device=starts.device)
+        ids[:, 0] = truth[:, 0]
+
+        context = []
+        one_sequence = len(set(seqs)) == 1
+        for layer in range(len(self.drafter.layers)):
+            if one_sequence:  # share its context keys/values, no padding
+                k, v = self.context[seqs[0]][layer]
+                context.append((k[None, :, :S].expand(N, -1, -1, -1), v[None, :, :S].expand(N, -1, -1, -1)))
+            else:
+                k_ref = self.context[seqs[0]][layer][0]
+                k = k_ref.new_zeros(N, k_ref.shape[0], S, k_ref.shape[2])
+                v = torch.zeros_like(k)
+                for n, (s, p) in enumerate(blocks):  # positions >= start are masked, only [:start] matters
+                    k[n, :, :p], v[n, :, :p] = self.context[s][layer][0][:, :p], self.context[s][layer][1][:, :p]
+                context.append((k, v))
+        hidden = self.drafter(F.embedding(ids, self.embed), starts, context)  # [N, B, H]
+
+        accepted = torch.zeros(N, dtype=torch.long, device=starts.device)
+        rejected = torch.full((N,), -1, dtype=torch.long, device=starts.device)
+        alive = torch.arange(N, device=starts.device)
+        for k in range(1, B):
+            alive = alive[available[alive] >= k]
+            if len(alive) == 0:
+                break
+            draft = (hidden[alive, k] @ self.head.T).argmax(-1)  # [n_alive]
+            match = draft == truth[alive, k]
+            accepted[alive[match]] += 1
+            rejected[alive[~match]] = draft[~match]
+            alive = alive[match]
+        steps = torch.minimum(accepted + 1, available)
+        return steps.tolist(), rejected.tolist()
+
+
+def replay(
+    drafter: DFlashDrafter,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    references: Sequence[Reference],
+    features: Sequence[torch.Tensor],
+    all_positions: bool = False,
+    max_blocks: int = 64,
+    max_context_tokens: int = 1 << 18,
+    progress: Callable[[int], None] | None = None,
+) -> list[ReplayResult]:
+    """Replay greedy speculative decoding of `drafter` over references with cached target features.
+
+    features[i]: [K, T_i, H] target features of reference i (K layers in drafter.target_layer_ids order).
+    all_positions: also score a block at every start position; the decode steps then follow from it
+    at no extra cost. Batches hold at most max_blocks blocks and max_context_tokens padded context
+    positions (memory). progress(n) is called with the number of blocks scored so far.
+    """
+    scorer = BlockScorer(drafter, embed_weight, head_weight, references, features)
+    results = [ReplayResult() for _ in references]
+    done = 0
+
+    def run(blocks):
+        nonlocal done
+        out = ([], [])
+        i = 0
+        while i < len(blocks):
+            # as many blocks as the budget allows for the longest context in the batch
+            n = 1
+            while i + n < len(blocks) and n < max_blocks and (n + 1) * max(p for _, p in blocks[i:i + n + 1]) <= max_context_tokens:
+                n += 1
+            steps, rejected = scorer.score(blocks[i:i + n])
+            out[0].extend(steps)
+            out[1].extend(rejected)
+            i += n
+            done += n
+            if progress:
+                progress(done)
+        return out
+
+    if all_positions:
+        blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, len(ref.token_ids) - 1)]
+        steps, rejected = run(blocks)
+        by_block = {b: (a, r) for b, a, r in zip(blocks, steps, rejected)}
+        for s, ref in enumerate(references):
+            res = results[s]
+            res.all_positions = [by_block[(s, p)][0] for p in range(ref.prompt_len, len(ref.token_ids) - 1)]
+            p = ref.prompt_len
+            while p + 1 < len(ref.token_ids):
+                a, r = by_block[(s, p)]
+                res.starts.append(p)
+                res.acceptance_lengths.append(a)
+                res.rejected_drafts.append(r)
+                p += a
+        return results
+
+    # decode mode: every unfinished reference advances one step per batch
+    frontier = {s: ref.prompt_len for s, ref in enumerate(references) if ref.prompt_len + 1 < len(ref.token_ids)}
+    while frontier:
+        blocks = sorted(frontier.items(), key=lambda b: b[1])  # similar context lengths batch together
+        steps, rejected = run(blocks)
+        for (s, p), a, r in zip(blocks, steps, rejected):
+            res = results[s]
+            res.starts.append(p)
+            res.acceptance_lengths.append(a)
+            res.rejected_drafts.append(r)
+            if p + a + 1 < len(references[s].token_ids):
+                frontier[s] = p + a
+            else:
+                del frontier[s]
+    return results

@@ -1,0 +1,338 @@
+"""Load a target model and run its text backbone.
+
+A target is any Hugging Face causal LM, or a vision-language wrapper around
+one (Qwen3.5/3.6, Gemma 3, Qwen2.5-VL, ...). We locate the text decoder by
+structure - the one module with `embed_tokens`, a `layers` ModuleList and a
+final `norm`, outside any vision tower - and call it directly with token ids,
+so the vision tower never runs. The lm_head comes from the model when it has
+one, otherwise (e.g. `Qwen3_5Model` from `AutoModel`) from the checkpoint's
+safetensors.
+
+Feature convention: `features[i]` is Hugging Face's `hidden_states[i + 1]`,
+i.e. the output of decoder layer i, except for the last layer, where
+transformers reports the output *after* the final norm. We match transformers
+(and the DFlash reference, which indexes `hidden_states`) exactly.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    Cache,
+    DynamicCache,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from transformers.utils import is_accelerate_available
+
+from .token_head import load_token_head
+
+# Module names (dotted path components) of non-text parts; nothing under them is the text decoder.
+NON_TEXT_MODULES = {
+    "visual",
+    "vision_tower",
+    "vision_model",
+    "vision_encoder",
+    "multi_modal_projector",
+    "mm_projector",
+    "audio_tower",
+    "audio_model",
+}
+NON_TEXT_PREFIXES = ("vision", "visual", "audio")
+
+# Tried in order: a VLM checkpoint often maps to a text-only causal LM class
+# (Qwen3.5 -> Qwen3_5ForCausalLM, which skips the vision weights entirely).
+AUTO_CLASSES = (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)
+
+
+@dataclass
+class TargetOutput:
+    """Result of `Target.forward`.
+
+    logits: [N, T, V] or None when not requested.
+    features: layer id -> [N, T, H], equal to HF `hidden_states[layer_id + 1]`.
+    """
+
+    logits: torch.Tensor | None
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class _StopForward(Exception):
+    """Raised from a layer hook once every requested layer has run."""
+
+
+def _is_non_text_path(name: str) -> bool:
+    parts = name.split(".") if name else []
+    return any(p in NON_TEXT_MODULES or p.startswith(NON_TEXT_PREFIXES) for p in parts)
+
+
+def find_backbone(model: nn.Module) -> tuple[str, nn.Module]:
+    """Return (name, module) of the text decoder: the module with `embed_tokens`,
+    `layers` (nn.ModuleList) and `norm`, outside any vision/audio tower."""
+    candidates = []
+    for name, module in model.named_modules():
+        if _is_non_text_path(name):
+            continue
+        if (
+            isinstance(getattr(module, "embed_tokens", None), nn.Module)
+            and isinstance(getattr(module, "layers", None), nn.ModuleList)
+            and isinstance(getattr(module, "norm", None), nn.Module)
+        ):
+            candidates.append((name, module))
+    if not candidates:
+        raise ValueError(
+            f"no text backbone found in {type(model).__name__}: no module outside the vision tower "
+            "has embed_tokens, layers (nn.ModuleList) and norm"
+        )
+    if len(candidates) > 1:
+        names = [name or "<root>" for name, _ in candidates]
+        raise ValueError(f"ambiguous text backbone in {type(model).__name__}: candidates {names}")
+    return candidates[0]
+
+
+def _find_head_module(model: nn.Module) -> nn.Module | None:
+    """The model's lm_head (tied or not), or None if it has none."""
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if get_output_embeddings is not None else None
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        return None
+    return head
+
+
+def _text_config(model: nn.Module, backbone: nn.Module) -> PretrainedConfig:
+    if isinstance(backbone, PreTrainedModel):
+        return backbone.config
+    return model.config.get_text_config(decoder=True)
+
+
+@dataclass(eq=False)
+class Target:
+    """A target model reduced to what DFlash evaluation needs: its text backbone and token head."""
+
+    model: nn.Module  # whatever was loaded
+    backbone: nn.Module  # text decoder: embed_tokens, layers, norm
+    head_weight: torch.Tensor  # [V, H] lm_head weight (tied -> embedding weight)
+    embed_weight: torch.Tensor  # [V, H] raw embedding matrix (Gemma scales it by sqrt(H) in embed_tokens)
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_positions: int | None  # max_position_embeddings of the text config
+    text_config: PretrainedConfig
+    head_bias: torch.Tensor | None = None  # [V]; almost always None
+    logit_softcap: float | None = None  # Gemma-style final_logit_softcapping
+
+    @classmethod
+    def from_model(cls, model: nn.Module, checkpoint_dir=None) -> "Target":
+        """Wrap an already loaded model (puts it in eval mode, without grad).
+
+        `checkpoint_dir` is only read when the model has no lm_head (e.g. `Qwen3_5Model`);
+        it defaults to the directory the model was loaded from.
+        """
+        model.eval().requires_grad_(False)
+        _, backbone = find_backbone(model)
+        embed_weight = backbone.embed_tokens.weight
+        head = _find_head_module(model)
+        if head is not None:
+            head_weight, head_bias = head.weight, getattr(head, "bias", None)
+        else:
+            checkpoint_dir = checkpoint_dir or getattr(model, "name_or_path", None)
+            if not checkpoint_dir or not Path(checkpoint_dir).is_dir():
+                raise ValueError(
+                    f"{type(model).__name__} has no lm_head and no checkpoint directory to read it from; "
+                    "pass checkpoint_dir"
+                )
+            token_head = load_token_head(checkpoint_dir)
+            head_weight = token_head.head_weight.to(device=embed_weight.device, dtype=embed_weight.dtype)
+            head_bias = None
+            if token_head.tied:
+                head_weight = embed_weight
+        if head_weight.shape[1] != embed_weight.shape[1]:
+            raise ValueError(
+                f"lm_head hidden size {head_weight.shape[1]} != embedding hidden size {embed_weight.shape[1]}"
+            )
+        text_config = _text_config(model, backbone)
+        return cls(
+            model=model,
+            backbone=backbone,
+            head_weight=head_weight,
+            embed_weight=embed_weight,
+            num_layers=len(backbone.layers),
+            hidden_size=embed_weight.shape[1],
+            vocab_size=embed_weight.shape[0],
+            max_positions=getattr(text_config, "max_position_embeddings", None),
+            text_config=text_config,
+            head_bias=head_bias,
+            logit_softcap=getattr(text_config, "final_logit_softcapping", None),
+        )
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    def new_cache(self) -> Cache:
+        """An empty cache for incremental decoding (hybrid models get linear-attention layers).
+
+        Note: `crop` cannot roll back the recurrent state of linear-attention layers.
+        """
+        return DynamicCache(config=self.text_config)
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings as the backbone computes them (including any embedding scale). [N, T] -> [N, T, H]"""
+        return self.backbone.embed_tokens(self._check_input_ids(input_ids))
+
+    @torch.no_grad()
+    def apply_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Apply the lm_head (and softcap, if the model has one) to final-norm outputs. [..., H] -> [..., V]"""
+        logits = F.linear(hidden, self.head_weight, self.head_bias)
+        if self.logit_softcap is not None:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
+
+    def check_layer_ids(self, layer_ids) -> list[int]:
+        """Validate layer ids against the number of decoder layers; returns them as ints."""
+        layer_ids = [int(i) for i in layer_ids]
+        for i in layer_ids:
+            if i < 0 or i >= self.num_layers:
+                raise ValueError(
+                    f"layer id {i} is out of range: the target has {self.num_layers} layers (ids 0..{self.num_layers - 1})"
+                )
+        return layer_ids
+
+    def check_length(self, num_tokens: int) -> None:
+        """Raise if `num_tokens` positions do not fit in the target's context."""
+        if self.max_positions is not None and num_tokens > self.max_positions:
+            raise ValueError(f"prompt of {num_tokens} tokens exceeds the target's context of {self.max_positions}")
+
+    def _check_input_ids(self, input_ids) -> torch.Tensor:
+        input_ids = torch.as_tensor(input_ids)
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [N, T], got shape {tuple(input_ids.shape)}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+            raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
+        if input_ids.numel() > 0:
+            low, high = int(input_ids.min()), int(input_ids.max())
+            if low < 0 or high >= self.vocab_size:
+                bad = low if low < 0 else high
+                raise ValueError(
+                    f"token id {bad} is out of the target's vocabulary of {self.vocab_size} (ids 0..{self.vocab_size - 1})"
+                )
+        return input_ids.to(device=self.device, dtype=torch.long)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        cache: Cache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        layer_ids=(),
+        logits: bool = True,
+    ) -> TargetOutput:
+        """Run the text backbone on `input_ids` [N, T].
+
+        With a cache, continues from it: positions start at the cache length and the
+        cache is updated in place. `features[i]` equals HF `hidden_states[i + 1]`.
+        With `logits=False` and no cache, layers after max(layer_ids) are not run
+        (a cache must see every layer, so it disables that shortcut).
+        """
+        input_ids = self._check_input_ids(input_ids)
+        layer_ids = self.check_layer_ids(layer_ids)
+        past_length = cache.get_seq_length() if cache is not None else 0
+        self.check_length(past_length + input_ids.shape[1])
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+
+        last = self.num_layers - 1
+        # The last layer's HF hidden state is the final-norm output, so it needs the full backbone.
+        run_all = logits or cache is not None or last in layer_ids
+        if not run_all and not layer_ids:
+            return TargetOutput(logits=None, features={})
+        stop_after = None if run_all else max(layer_ids)
+        wanted = set(layer_ids) - {last}
+
+        features: dict[int, torch.Tensor] = {}
+        hooks = []
+
+        def make_hook(layer_id):
+            def hook(module, args, output):
+                if layer_id in wanted:
+                    features[layer_id] = output[0] if isinstance(output, tuple) else output
+                if layer_id == stop_after:
+                    raise _StopForward
+
+            return hook
+
+        for layer_id in sorted(wanted | ({stop_after} if stop_after is not None else set())):
+            hooks.append(self.backbone.layers[layer_id].register_forward_hook(make_hook(layer_id)))
+        try:
+            out = self.backbone(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=cache is not None,
+                return_dict=True,
+            )
+        except _StopForward:
+            out = None
+        finally:
+            for h in hooks:
+                h.remove()
+
+        if out is not None and last in layer_ids:
+            features[last] = out.last_hidden_state
+        return TargetOutput(
+            logits=self.apply_head(out.last_hidden_state) if logits else None,
+            features={i: features[i] for i in layer_ids},
+        )
+
+    __call__ = forward
+
+
+def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Target:
+    """Load a target from a local Hugging Face checkpoint directory.
+
+    Tries AutoModelForCausalLM, then AutoModelForImageTextToText, then AutoModel,
+    with SDPA attention, in eval mode without grad. Raises ValueError when the
+    directory or its config is missing, or when the checkpoint lacks weights the
+    text backbone or head need (they would be silently random otherwise).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"target directory {path} does not exist")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"no config.json in target directory {path}")
+    config = AutoConfig.from_pretrained(path)
+    auto_class = next((c for c in AUTO_CLASSES if type(config) in c._model_mapping), None)
+    if auto_class is None:
+        raise ValueError(f"transformers has no causal-LM, image-text-to-text or base model class for {type(config).__name__}")
+    device = torch.device(device)
+    # Loading straight onto an accelerator needs `accelerate`; without it, load to CPU and move.
+    direct = device.type != "cpu" and is_accelerate_available()
+    model, info = auto_class.from_pretrained(
+        path,
+        config=config,
+        dtype=dtype,
+        device_map=str(device) if direct else None,
+        attn_implementation="sdpa",
+        output_loading_info=True,
+    )
+    if not direct:
+        model.to(device)
+    target = Target.from_model(model, checkpoint_dir=path)
+    missing = [k for k in info.get("missing_keys", ()) if not _is_non_text_path(k)]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks weights the text model needs: {sorted(missing)[:8]}")
+    return target

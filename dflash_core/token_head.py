@@ -1,0 +1,162 @@
+"""Read a target's token embedding and lm_head straight from its safetensors.
+
+A DFlash drafter has no embedding and no lm_head of its own: it borrows the
+target's. Loading a 27B target to get two [V, H] matrices would be wasteful,
+and `AutoModel` on a Qwen3.5 checkpoint returns `Qwen3_5Model`, which has no
+lm_head at all. So we open the checkpoint's safetensors and read exactly those
+two tensors by name, whatever prefix the wrapper class gives them:
+
+    model.embed_tokens.weight                   text-only causal LM
+    model.language_model.embed_tokens.weight    Qwen3.5 / Qwen3-VL style VLM
+    language_model.model.embed_tokens.weight    Gemma 3 / Llava style VLM
+    lm_head.weight, language_model.lm_head.weight, ...
+
+Keys under a vision tower, projector, audio tower or multi-token-prediction
+head are never candidates.
+"""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# Dotted key components (or their prefixes) that belong to something other than
+# the text decoder. "layers" excludes per-layer embeddings/heads such as
+# DeepSeek's MTP layer `model.layers.61.embed_tokens.weight`.
+NON_TEXT_PARTS = {
+    "visual",
+    "vision_tower",
+    "vision_model",
+    "vision_encoder",
+    "multi_modal_projector",
+    "mm_projector",
+    "audio_tower",
+    "audio_model",
+    "mtp",
+    "layers",
+}
+NON_TEXT_PREFIXES = ("vision", "visual", "audio", "mtp")
+
+
+@dataclass
+class TokenHead:
+    """The target's token embedding and output head, both [V, H].
+
+    When the head is tied, `head_weight` is the same tensor as `embed_weight`.
+    """
+
+    embed_weight: torch.Tensor
+    head_weight: torch.Tensor
+    tied: bool
+    embed_key: str
+    head_key: str | None  # None when tied to the embedding
+
+
+def is_text_key(key: str) -> bool:
+    """True if a checkpoint key can belong to the text decoder (not a vision/audio/MTP part)."""
+    parts = key.split(".")
+    return not any(p in NON_TEXT_PARTS or p.startswith(NON_TEXT_PREFIXES) for p in parts)
+
+
+def list_safetensors_keys(target_dir) -> dict[str, Path]:
+    """Map every tensor name of a checkpoint to the safetensors file holding it.
+
+    Handles a single `model.safetensors` and a sharded checkpoint with
+    `model.safetensors.index.json`.
+    """
+    target_dir = Path(target_dir)
+    if not target_dir.is_dir():
+        raise ValueError(f"target directory {target_dir} does not exist")
+    index_path = target_dir / INDEX_FILE
+    if index_path.is_file():
+        weight_map = json.loads(index_path.read_text())["weight_map"]
+        return {key: target_dir / name for key, name in weight_map.items()}
+    single_path = target_dir / SINGLE_FILE
+    if single_path.is_file():
+        with safe_open(single_path, framework="pt") as f:
+            return {key: single_path for key in f.keys()}
+    raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in target directory {target_dir}")
+
+
+def _find_unique_key(keys, module_name: str, target_dir: Path) -> str | None:
+    """The one text-decoder key ending in `<module_name>.weight`, None if there is none."""
+    suffix = f"{module_name}.weight"
+    matches = sorted(k for k in keys if (k == suffix or k.endswith("." + suffix)) and is_text_key(k))
+    if len(matches) > 1:
+        raise ValueError(
+            f"ambiguous {module_name} in {target_dir}: several candidate tensors {matches}; "
+            "cannot tell which one belongs to the text decoder"
+        )
+    return matches[0] if matches else None
+
+
+def _read_tie_flag(target_dir: Path) -> bool | None:
+    """`tie_word_embeddings` from config.json (top level first, then text_config); None if unset."""
+    config_path = target_dir / "config.json"
+    if not config_path.is_file():
+        return None
+    config = json.loads(config_path.read_text())
+    if "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    text_config = config.get("text_config") or {}
+    if "tie_word_embeddings" in text_config:
+        return bool(text_config["tie_word_embeddings"])
+    return None
+
+
+def _read_tensor(path: Path, key: str) -> torch.Tensor:
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def load_token_head(target_dir, dtype: torch.dtype | None = None) -> TokenHead:
+    """Read only the embedding and lm_head tensors of a target checkpoint.
+
+    Args:
+        target_dir: local directory of a Hugging Face checkpoint (single-file or sharded safetensors).
+        dtype: cast both tensors to this dtype; None keeps the stored dtype.
+
+    Returns:
+        TokenHead with `embed_weight` and `head_weight`, each [V, H]. The head is
+        the embedding when the checkpoint stores no lm_head and the config ties them.
+        Like transformers, an lm_head present in the checkpoint is used even if the
+        config says tied (transformers only ties when the two are equal or one is missing).
+    """
+    target_dir = Path(target_dir)
+    key_to_file = list_safetensors_keys(target_dir)
+    embed_key = _find_unique_key(key_to_file, "embed_tokens", target_dir)
+    if embed_key is None:
+        raise ValueError(f"no embedding tensor (*embed_tokens.weight) outside the vision/audio parts in {target_dir}")
+    head_key = _find_unique_key(key_to_file, "lm_head", target_dir)
+
+    embed_weight = _read_tensor(key_to_file[embed_key], embed_key)
+    if head_key is None:
+        if _read_tie_flag(target_dir) is False:
+            raise ValueError(
+                f"no lm_head tensor in {target_dir} and its config sets tie_word_embeddings=false: "
+                "the head is missing from the checkpoint"
+            )
+        head_weight = embed_weight
+    else:
+        head_weight = _read_tensor(key_to_file[head_key], head_key)
+        if head_weight.ndim != 2 or head_weight.shape[1] != embed_weight.shape[1]:
+            raise ValueError(
+                f"{head_key} has shape {tuple(head_weight.shape)} but {embed_key} has shape "
+                f"{tuple(embed_weight.shape)}: hidden sizes differ"
+            )
+
+    if dtype is not None:
+        embed_weight = embed_weight.to(dtype)
+        head_weight = embed_weight if head_key is None else head_weight.to(dtype)
+    return TokenHead(
+        embed_weight=embed_weight,
+        head_weight=head_weight,
+        tied=head_key is None,
+        embed_key=embed_key,
+        head_key=head_key,
+    )
