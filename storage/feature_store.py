@@ -1,0 +1,277 @@
+"""Target hidden states in zarr v3: one array per (layer id, sequence), each with its own completion marker.
+
+Layout inside a features entry (`<entry>/features.zarr`)::
+
+    features.zarr/
+      zarr.json                     root group
+      layer_<i>/                    i = decoder layer id (feature of layer i = HF hidden_states[i + 1])
+        zarr.json                   group
+        seq_<n>/                    n = index of the sequence in the references
+          zarr.json                 array [T_n, H]; attributes hold the completion marker
+          c/<r>/0                   chunks of rows, uncompressed
+
+Why this shape (measured in notes/zarr.md): one array per sequence was the fastest
+layout and the only one safe with several writers, since each writer touches
+only its own keys. One array per layer (not per sequence holding all layers)
+lets a checkpoint that needs other layer ids extract only the layers not yet
+held: completeness is tracked per (layer, sequence), never in a shared file.
+
+dtypes: bfloat16 is stored as its raw bits in `uint16` (zarr 3.1 has no bf16) and
+viewed back, zero-copy and bit-exact (NaN payloads, inf, -0, subnormals); float32
+is stored as float32. torch is used only for that bf16 <-> uint16 view, and
+`read` returns torch tensors because the drafter consumes them. float16 is
+refused: hidden states of large targets overflow it.
+
+Completion marker: the array's attributes, rewritten LAST (one atomic rename of its
+`zarr.json`) as `{"complete": true, "dtype": "bfloat16"|"float32", "shape": [T, H],
+"sha256": <digest of the stored bytes>}`. A killed writer leaves chunks without the
+marker; zarr would read missing chunks back as zeros, so nothing here reads an
+array without its marker. Rewriting an array clears the marker first.
+"""
+
+import hashlib
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+import zarr.errors
+import zarr.storage
+
+FEATURES_DIRNAME = "features.zarr"
+MARKER_FORMAT = 1
+# Big chunks read fastest (notes/zarr.md: one chunk per sequence and layer); the cap only keeps
+# a single chunk of a very long sequence of a very wide model (32k x 8192 bf16 = 512 MiB) bounded.
+DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
+_STORED_DTYPE = {"bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32)}
+
+
+class FeatureMissing(LookupError):
+    """The hidden states of one (layer id, sequence) are absent, incomplete or corrupt: extract them."""
+
+    def __init__(self, layer_id: int, seq_index: int, reason: str):
+        super().__init__(f"features of layer {layer_id}, sequence {seq_index}: {reason}")
+        self.layer_id = layer_id
+        self.seq_index = seq_index
+        self.reason = reason
+
+
+def _check_index(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+def _array_path(layer_id: int, seq_index: int) -> str:
+    return f"layer_{_check_index('layer_id', layer_id)}/seq_{_check_index('seq_index', seq_index)}"
+
+
+def _to_stored(hidden: torch.Tensor | np.ndarray) -> tuple[np.ndarray, str]:
+    """(C-contiguous numpy array as stored, dtype tag) for a [T, H] tensor or array."""
+    if isinstance(hidden, torch.Tensor):
+        tensor = hidden.detach().cpu().contiguous()
+        if tensor.dtype == torch.bfloat16:
+            # Reinterpret the 16 bits, no rounding: numpy has no bf16, int16 -> uint16 is a view.
+            stored, tag = tensor.view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        elif tensor.dtype == torch.float32:
+            stored, tag = tensor.numpy(), "float32"
+        else:
+            raise TypeError(f"hidden states must be bfloat16 or float32, got torch {tensor.dtype} (float16 overflows)")
+    elif isinstance(hidden, np.ndarray):
+        if hidden.dtype != np.float32:
+            raise TypeError(
+                f"numpy hidden states must be float32, got {hidden.dtype}; pass bfloat16 as a torch tensor"
+            )
+        stored, tag = np.ascontiguousarray(hidden), "float32"
+    else:
+        raise TypeError(f"hidden states must be a torch.Tensor or numpy.ndarray, got {type(hidden).__name__}")
+    if stored.ndim != 2 or stored.shape[0] == 0 or stored.shape[1] == 0:
+        raise ValueError(f"hidden states of one layer and sequence must be [T, H] with T, H > 0, got {stored.shape}")
+    return stored, tag
+
+
+def _from_stored(stored: np.ndarray, tag: str) -> torch.Tensor:
+    if tag == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(stored).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(stored)
+
+
+def _sha256_of(stored: np.ndarray) -> str:
+    # memoryview of the C-contiguous array: hashes the stored little-endian bytes without a copy.
+    return hashlib.sha256(memoryview(stored).cast("B")).hexdigest()
+
+
+def _chunk_rows(n_rows: int, row_bytes: int, max_chunk_bytes: int) -> int:
+    """Rows per chunk: as few chunks as the cap allows, evenly sized.
+
+    Uncompressed, the last chunk is stored at full size, so T rows in chunks of
+    ceil(T / n) rows waste less than n rows; a fixed chunk height could waste almost a chunk.
+    """
+    n_chunks = max(1, -(-n_rows * row_bytes // max_chunk_bytes))
+    return -(-n_rows // n_chunks)
+
+
+class FeatureStore:
+    """Per-(layer id, sequence) hidden states in one zarr v3 group (layout in the module docstring).
+
+    Several processes may write different sequences (or layers) at once; two
+    writers of the same (layer, sequence) are not supported (zarr chunk and
+    metadata writes of one key race, notes/zarr.md).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
+        if max_chunk_bytes < 1:
+            raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
+        self.path = Path(path)
+        self.max_chunk_bytes = max_chunk_bytes
+        self._zarr_store = zarr.storage.LocalStore(self.path)
+
+    @classmethod
+    def in_entry(cls, entry_dir: str | os.PathLike, **kwargs: Any) -> "FeatureStore":
+        """The feature store of a store entry: `<entry_dir>/features.zarr`."""
+        return cls(Path(entry_dir) / FEATURES_DIRNAME, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"FeatureStore({str(self.path)!r})"
+
+    # ------------------------------------------------------------ writing
+
+    def write(self, layer_id: int, seq_index: int, hidden: torch.Tensor | np.ndarray) -> None:
+        """Store the [T, H] hidden states of one layer and one sequence, replacing any earlier ones.
+
+        bfloat16 (torch) is stored bit-exact as uint16; float32 (torch or numpy) as float32.
+        The completion marker is written last, after every chunk.
+        """
+        path = _array_path(layer_id, seq_index)
+        stored, tag = _to_stored(hidden)
+        layer_group = self._require_group(f"layer_{int(layer_id)}")
+        self._clear_marker(path)
+        n_rows, width = stored.shape
+        array = layer_group.create_array(
+            f"seq_{int(seq_index)}",
+            shape=stored.shape,
+            chunks=(_chunk_rows(n_rows, width * stored.itemsize, self.max_chunk_bytes), width),
+            dtype=stored.dtype,
+            compressors=None,  # ~1.4x at best on bf16 states: not worth it on local disks (notes/zarr.md)
+            fill_value=0,
+            overwrite=True,
+            attributes={"complete": False, "dtype": tag},
+            # Per array rather than zarr.config.set: same effect (2.2x faster writes, no
+            # comparing every chunk with the fill value), no global state to restore.
+            config={"write_empty_chunks": True},
+        )
+        array[...] = stored
+        marker = {"complete": True, "format": MARKER_FORMAT, "dtype": tag, "shape": list(stored.shape)}
+        array.update_attributes({**marker, "sha256": _sha256_of(stored)})
+
+    def write_layers(self, layer_ids: Sequence[int], seq_index: int, hidden: torch.Tensor | np.ndarray) -> None:
+        """Store [K, T, H] hidden states of one sequence, row k as layer `layer_ids[k]`."""
+        if hidden.ndim != 3 or hidden.shape[0] != len(layer_ids):
+            raise ValueError(
+                f"expected [K={len(layer_ids)}, T, H] for layer ids {list(layer_ids)}, got {tuple(hidden.shape)}"
+            )
+        for k, layer_id in enumerate(layer_ids):
+            self.write(layer_id, seq_index, hidden[k])
+
+    def _require_group(self, name: str) -> zarr.Group:
+        # Open-or-create that tolerates another writer creating the same group at the same moment
+        # (both write identical metadata; zarr raises ContainsGroupError to the slower one).
+        for path in ("", name):
+            try:
+                group = zarr.open_group(self._zarr_store, path=path, mode="r+")
+            except zarr.errors.GroupNotFoundError:
+                try:
+                    group = zarr.create_group(self._zarr_store, path=path)
+                except zarr.errors.ContainsGroupError:
+                    group = zarr.open_group(self._zarr_store, path=path, mode="r+")
+        return group
+
+    def _clear_marker(self, path: str) -> None:
+        # create_array(overwrite=True) deletes the old node with shutil.rmtree, in no particular
+        # order: killed midway it could leave the old marker beside deleted chunks. Clearing the
+        # marker first (one atomic metadata rewrite) rules that out.
+        try:
+            old = zarr.open_array(self._zarr_store, path=path, mode="r+")
+        except (zarr.errors.NodeNotFoundError, zarr.errors.ContainsGroupError):
+            return
+        if old.attrs.get("complete") is not False:
+            old.update_attributes({"complete": False})
+
+    # ------------------------------------------------------------ reading
+
+    def _open_complete(self, layer_id: int, seq_index: int) -> tuple[zarr.Array, dict[str, Any]]:
+        """The array and its marker; FeatureMissing unless the marker says complete and matches."""
+        path = _array_path(layer_id, seq_index)
+        try:
+            array = zarr.open_array(self._zarr_store, path=path, mode="r")
+        except FileNotFoundError:  # zarr's NodeNotFoundError, or no features.zarr directory at all
+            raise FeatureMissing(layer_id, seq_index, f"absent (no array {path} in {self.path})") from None
+        marker = dict(array.attrs)
+        if marker.get("complete") is not True:
+            raise FeatureMissing(
+                layer_id,
+                seq_index,
+                "incomplete: no completion marker (its writer stopped before finishing, or is still writing)",
+            )
+        tag = marker.get("dtype")
+        if tag not in _STORED_DTYPE or array.dtype != _STORED_DTYPE[tag] or marker.get("shape") != list(array.shape):
+            raise FeatureMissing(
+                layer_id, seq_index, f"inconsistent marker {marker} for a {array.dtype} array of shape {array.shape}"
+            )
+        return array, marker
+
+    def has(self, layer_id: int, seq_index: int) -> bool:
+        """Whether (layer, sequence) is stored completely (marker present; bytes not re-hashed)."""
+        try:
+            self._open_complete(layer_id, seq_index)
+        except FeatureMissing:
+            return False
+        return True
+
+    def missing(self, layer_ids: Sequence[int], n_sequences: int) -> list[tuple[int, int]]:
+        """(layer id, sequence index) pairs not stored completely, for sequences 0..n_sequences-1.
+
+        Ordered by `layer_ids` as given, then by sequence. An empty list means everything
+        a drafter with these layer ids needs is here.
+        """
+        return [(layer, seq) for layer in layer_ids for seq in range(n_sequences) if not self.has(layer, seq)]
+
+    def read_layer(self, layer_id: int, seq_index: int, *, verify: bool = False) -> torch.Tensor:
+        """The [T, H] hidden states of one layer and sequence, in the stored dtype (bfloat16 or float32).
+
+        Raises `FeatureMissing` naming the layer and sequence when the array is absent,
+        incomplete, changed while being read, or (with `verify`) its bytes do not match
+        the marker's sha256. Never returns fill values for missing data.
+        """
+        array, marker = self._open_complete(layer_id, seq_index)
+        stored = array[...]
+        if verify and _sha256_of(np.ascontiguousarray(stored)) != marker["sha256"]:
+            raise FeatureMissing(layer_id, seq_index, "corrupt: stored bytes do not match the marker's sha256")
+        # A concurrent rewrite clears the marker before touching chunks; if the marker is not the
+        # one we started with, what we read may mix two versions.
+        _, marker_after = self._open_complete(layer_id, seq_index)
+        if marker_after != marker:
+            raise FeatureMissing(layer_id, seq_index, "rewritten by another process while being read")
+        return _from_stored(stored, marker["dtype"])
+
+    def read(self, layer_ids: Sequence[int], seq_index: int, *, verify: bool = False) -> torch.Tensor:
+        """The [K, T, H] hidden states of one sequence, row k = layer `layer_ids[k]` (the drafter's order).
+
+        All layers must share T, H and dtype. Raises `FeatureMissing` for the first layer
+        that is not stored completely (see `read_layer`).
+        """
+        if len(layer_ids) == 0:
+            raise ValueError("layer_ids is empty")
+        layers = [self.read_layer(layer_id, seq_index, verify=verify) for layer_id in layer_ids]
+        first = layers[0]
+        for layer_id, layer in zip(layer_ids, layers):
+            if layer.shape != first.shape or layer.dtype != first.dtype:
+                raise ValueError(
+                    f"sequence {seq_index}: layer {layer_id} is {layer.dtype} {tuple(layer.shape)}, "
+                    f"layer {layer_ids[0]} is {first.dtype} {tuple(first.shape)}"
+                )
+        return torch.stack(layers)

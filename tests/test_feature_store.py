@@ -1,0 +1,230 @@
+import json
+import multiprocessing
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore, _chunk_rows
+from tests import storage_workers
+from tests.storage_workers import hidden_for, rows_for
+
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+def _assert_bit_exact(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(_bits(actual), _bits(expected))
+
+
+# ---------------------------------------------------------------- round trips
+
+
+def test_bf16_round_trip_is_bit_exact_for_every_bit_pattern(tmp_path):
+    # All 65536 bf16 values: NaNs with every payload and sign, +-inf, -0, every subnormal.
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(256, 256)
+    assert torch.isnan(every).any() and torch.isinf(every).any()
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    store.write(7, 0, every)
+    back = store.read_layer(7, 0, verify=True)
+    _assert_bit_exact(back, every)
+    array = zarr.open_array(tmp_path / FEATURES_DIRNAME / "layer_7" / "seq_0", mode="r")
+    assert array.dtype == np.uint16
+    assert array.attrs["dtype"] == "bfloat16" and array.attrs["complete"] is True
+
+
+def test_float32_round_trip_is_bit_exact(tmp_path):
+    special = [float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45, -1e-40, 3.4e38, 1.17549435e-38]
+    as_numpy = np.array(special * 4, dtype=np.float32).reshape(6, 6)
+    as_numpy.view(np.uint32)[0, 0] = 0x7FC01234  # a NaN with a payload
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    store.write(0, 0, as_numpy)
+    store.write(0, 1, torch.from_numpy(as_numpy.copy()))
+    for seq in (0, 1):
+        back = store.read_layer(0, seq, verify=True)
+        assert back.dtype == torch.float32
+        assert np.array_equal(back.numpy().view(np.uint32), as_numpy.view(np.uint32))
+
+
+def test_unsupported_inputs_are_refused(tmp_path):
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    with pytest.raises(TypeError, match="float16 overflows"):
+        store.write(0, 0, torch.zeros(2, 2, dtype=torch.float16))
+    with pytest.raises(TypeError, match="numpy hidden states must be float32"):
+        store.write(0, 0, np.zeros((2, 2), dtype=np.uint16))
+    with pytest.raises(ValueError, match=r"\[T, H\]"):
+        store.write(0, 0, torch.zeros(1, 2, 2))
+    with pytest.raises(ValueError, match=r"\[T, H\]"):
+        store.write(0, 0, torch.zeros(0, 2))
+    with pytest.raises(ValueError, match="non-negative"):
+        store.write(-1, 0, torch.zeros(2, 2))
+
+
+def test_read_stacks_layers_in_the_requested_order(tmp_path):
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    stacked = torch.stack([hidden_for(layer, 3, 20, 8) for layer in (16, 1, 31)])
+    store.write_layers([16, 1, 31], 3, stacked)
+    _assert_bit_exact(store.read([1, 31], 3), torch.stack([hidden_for(1, 3, 20, 8), hidden_for(31, 3, 20, 8)]))
+    store.write(5, 3, hidden_for(5, 3, 21, 8))
+    with pytest.raises(ValueError, match="layer 5 is"):
+        store.read([1, 5], 3)
+
+
+def test_chunks_fit_the_data(tmp_path):
+    assert _chunk_rows(1000, 100, 1 << 30) == 1000  # one chunk when it fits
+    assert _chunk_rows(1000, 100, 40_000) == 334  # 3 chunks of 334 rows, not 400 + 400 + 200 stored as 3 x 400
+    assert _chunk_rows(1, 10**9, 1) == 1
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME, max_chunk_bytes=40_000)
+    store.write(0, 0, torch.zeros(1000, 50, dtype=torch.bfloat16))
+    array = zarr.open_array(tmp_path / FEATURES_DIRNAME / "layer_0" / "seq_0", mode="r")
+    assert array.chunks == (334, 50)
+    chunk_files = [p for p in (tmp_path / FEATURES_DIRNAME / "layer_0" / "seq_0" / "c").rglob("*") if p.is_file()]
+    assert len(chunk_files) == 3  # all-zero chunks are written too (write_empty_chunks)
+    assert sum(p.stat().st_size for p in chunk_files) == 3 * 334 * 50 * 2
+
+
+# ---------------------------------------------------------------- misses
+
+
+def test_missing_array_raises_naming_layer_and_sequence(tmp_path):
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    with pytest.raises(FeatureMissing, match="layer 3, sequence 7: absent") as info:
+        store.read([3], 7)
+    assert (info.value.layer_id, info.value.seq_index) == (3, 7)
+    store.write(3, 0, hidden_for(3, 0, 5, 4))
+    with pytest.raises(FeatureMissing, match="layer 9, sequence 0: absent"):
+        store.read([3, 9], 0)
+    assert not store.has(3, 7) and store.has(3, 0)
+
+
+def test_layer_level_reuse_extracts_only_new_layers(tmp_path):
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    for seq in range(3):
+        store.write_layers([1, 16], seq, torch.stack([hidden_for(layer, seq, 10, 4) for layer in (1, 16)]))
+    assert store.missing([1, 16], 3) == []
+    assert store.missing([1, 16, 31], 3) == [(31, 0), (31, 1), (31, 2)]
+
+
+def test_chunks_without_marker_read_as_incomplete_never_as_zeros(tmp_path):
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    store.write(2, 0, hidden_for(2, 0, 30, 4))
+    # What a writer killed after its chunks but before its marker leaves (here: half the chunks).
+    partial = zarr.open_group(tmp_path / FEATURES_DIRNAME, mode="r+")["layer_2"].create_array(
+        "seq_1", shape=(30, 4), chunks=(10, 4), dtype="uint16", compressors=None, fill_value=0,
+        attributes={"complete": False, "dtype": "bfloat16"},
+    )
+    partial[:10] = hidden_for(2, 1, 30, 4)[:10].view(torch.int16).numpy().view(np.uint16)
+    assert not store.has(2, 1)
+    with pytest.raises(FeatureMissing, match="layer 2, sequence 1: incomplete"):
+        store.read_layer(2, 1)
+    assert store.missing([2], 2) == [(2, 1)]
+    store.write(2, 1, hidden_for(2, 1, 30, 4))
+    _assert_bit_exact(store.read_layer(2, 1), hidden_for(2, 1, 30, 4))
+
+
+def test_rewrite_replaces_shape_and_verify_catches_corruption(tmp_path):
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME)
+    store.write(0, 0, hidden_for(0, 0, 40, 4))
+    store.write(0, 0, hidden_for(0, 99, 12, 4))
+    _assert_bit_exact(store.read_layer(0, 0), hidden_for(0, 99, 12, 4))
+    (chunk,) = [p for p in (tmp_path / FEATURES_DIRNAME / "layer_0" / "seq_0" / "c").rglob("*") if p.is_file()]
+    raw = bytearray(chunk.read_bytes())
+    raw[5] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(FeatureMissing, match="corrupt"):
+        store.read_layer(0, 0, verify=True)
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _zarr_json(store_path, layer, seq):
+    return store_path / f"layer_{layer}" / f"seq_{seq}" / "zarr.json"
+
+
+def _has_chunks_without_marker(store_path, layer, seq) -> bool:
+    array_dir = store_path / f"layer_{layer}" / f"seq_{seq}"
+    try:
+        marker = json.loads((array_dir / "zarr.json").read_text())["attributes"]
+        has_chunks = any(p.is_file() for p in (array_dir / "c").rglob("*"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return False
+    return has_chunks and marker.get("complete") is not True
+
+
+def test_killed_writer_leaves_nothing_complete_and_rerun_fills_only_the_missing(tmp_path):
+    path = tmp_path / FEATURES_DIRNAME
+    layers, n_sequences, width, rows = [0, 4], 12, 256, 1024
+    # Small chunks: each array takes many chunk writes, so the kill lands inside one.
+    writer = SPAWN.Process(
+        target=storage_workers.write_sequences, args=(path, layers, range(n_sequences), width, 8 * 1024, None, rows)
+    )
+    writer.start()
+    store = FeatureStore(path)
+    caught_mid_array = False
+    deadline = time.monotonic() + 120
+    try:
+        while not store.has(4, 2) and writer.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        while writer.is_alive() and time.monotonic() < deadline:
+            if any(_has_chunks_without_marker(path, layer, seq) for seq in range(3, n_sequences) for layer in layers):
+                caught_mid_array = True
+                break
+        os.kill(writer.pid, signal.SIGKILL)
+    finally:
+        writer.join(timeout=30)
+    print(f"writer killed mid-array: {caught_mid_array}")
+
+    everything = [(layer, seq) for layer in layers for seq in range(n_sequences)]
+    complete = [pair for pair in everything if store.has(*pair)]
+    missing = store.missing(layers, n_sequences)
+    assert sorted(complete + missing) == sorted(everything)
+    assert missing, "the writer finished before it was killed: nothing tested"
+    for layer, seq in complete:  # everything that claims completeness is exact
+        _assert_bit_exact(store.read_layer(layer, seq, verify=True), hidden_for(layer, seq, rows, width))
+    for layer, seq in missing:
+        with pytest.raises(FeatureMissing, match=f"layer {layer}, sequence {seq}: (absent|incomplete)"):
+            store.read_layer(layer, seq)
+
+    # Rerun: only the missing arrays are written; complete ones keep their files untouched.
+    before = {pair: os.stat(_zarr_json(path, *pair)) for pair in complete}
+    for layer, seq in missing:
+        store.write(layer, seq, hidden_for(layer, seq, rows, width))
+    for pair, stat in before.items():
+        after = os.stat(_zarr_json(path, *pair))
+        assert (after.st_ino, after.st_mtime_ns) == (stat.st_ino, stat.st_mtime_ns)
+    assert store.missing(layers, n_sequences) == []
+    for layer, seq in everything:
+        _assert_bit_exact(store.read_layer(layer, seq, verify=True), hidden_for(layer, seq, rows, width))
+
+
+def test_two_processes_write_different_sequences_at_once(tmp_path):
+    path = tmp_path / FEATURES_DIRNAME
+    layers, n_sequences, width = [2, 5, 9], 16, 64
+    barrier = SPAWN.Barrier(2)
+    # Both start on an empty directory at the same moment: they race to create the root and layer groups too.
+    writers = [
+        SPAWN.Process(
+            target=storage_workers.write_sequences,
+            args=(path, layers, range(parity, n_sequences, 2), width, 2048, barrier),
+        )
+        for parity in (0, 1)
+    ]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=180)
+    assert [w.exitcode for w in writers] == [0, 0]
+    store = FeatureStore(path)
+    assert store.missing(layers, n_sequences) == []
+    for seq in range(n_sequences):
+        expected = torch.stack([hidden_for(layer, seq, rows_for(seq), width) for layer in layers])
+        _assert_bit_exact(store.read(layers, seq, verify=True), expected)
