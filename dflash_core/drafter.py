@@ -274,29 +274,32 @@ class DFlashDrafter(nn.Module):
         """positions [N, T] -> cos, sin [N, T, hd] in the drafter's dtype."""
         return self.rotary(self.fc.weight, positions)
 
-    @torch.no_grad()
     def context_kv(self, features: torch.Tensor, start_position: int = 0):
-        """Per-layer context keys/values for one sequence.
+        """Per-layer context keys/values of one sequence, or of a batch of equally long ones.
 
-        features [K, T, H]: the target's features of the K layers in target_layer_ids order, for the
-        tokens at positions start_position .. start_position+T-1. Returns a list (one per layer) of
-        (k, v), each [n_kv, T, hd]. They depend only on the features, so they are computed once per
-        sequence (or appended to, token by token, in the online loop).
+        features [K, T, H] (or [N, K, T, H]): the target's features of the K layers in
+        target_layer_ids order, for the tokens at positions start_position .. start_position+T-1.
+        Returns a list (one per layer) of (k, v), each [n_kv, T, hd] (or [N, n_kv, T, hd]). They
+        depend only on the features, so they are computed once per sequence (or appended to, token
+        by token, in the online loop).
         """
-        K, T, H = features.shape
+        single = features.dim() == 3
+        if single:
+            features = features[None]
+        N, K, T, H = features.shape
         if K != len(self.cfg.target_layer_ids) or H != self.cfg.hidden_size:
             raise ValueError(
                 f"features have shape [layers={K}, tokens={T}, hidden={H}]; this drafter needs "
                 f"{len(self.cfg.target_layer_ids)} layers {list(self.cfg.target_layer_ids)} of hidden size {self.cfg.hidden_size}"
             )
-        x = features.to(device=self.device, dtype=self.dtype).permute(1, 0, 2).reshape(1, T, K * H)
-        ctx = self.hidden_norm(self.fc(x))  # [1, T, H]
+        x = features.to(device=self.device, dtype=self.dtype).permute(0, 2, 1, 3).reshape(N, T, K * H)
+        ctx = self.hidden_norm(self.fc(x))  # [N, T, H]
         positions = torch.arange(start_position, start_position + T, device=self.device)[None]
         cos, sin = self.rope(positions)
         out = []
         for layer in self.layers:
             k, v = layer.self_attn.keys_values(ctx, cos, sin)
-            out.append((k[0], v[0]))
+            out.append((k[0], v[0]) if single else (k, v))
         return out
 
     def attention_masks(self, starts: torch.Tensor, context_len: int):
@@ -323,7 +326,6 @@ class DFlashDrafter(nn.Module):
             masks["sliding_attention"] = sliding[:, None]
         return masks
 
-    @torch.no_grad()
     def forward(self, block_embeds: torch.Tensor, starts: torch.Tensor, context: list) -> torch.Tensor:
         """Draft N blocks at once.
 
@@ -341,6 +343,14 @@ class DFlashDrafter(nn.Module):
         for layer, layer_type, (k, v) in zip(self.layers, self.cfg.layer_types, context):
             x = layer(x, cos, sin, k, v, masks[layer_type])
         return self.norm(x)
+
+
+    def forward_in_sequence(self, block_embeds: torch.Tensor, starts: torch.Tensor, context: list) -> torch.Tensor:
+        """Draft N blocks of ONE sequence: context is that sequence's context_kv (per layer (k, v),
+        each [n_kv, T, hd]), shared by every block without copies."""
+        N, S = block_embeds.shape[0], int(starts.max())
+        shared = [(k[None, :, :S].expand(N, -1, -1, -1), v[None, :, :S].expand(N, -1, -1, -1)) for k, v in context]
+        return self(block_embeds, starts, shared)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -86,7 +86,8 @@ class BlockScorer:
             needed = len(ref.token_ids) - 1
             if feats.shape[1] < needed:
                 raise ValueError(f"reference {i}: features cover {feats.shape[1]} tokens, the reference needs {needed}")
-            self.context.append(drafter.context_kv(feats[:, :needed]))
+            with torch.no_grad():
+                self.context.append(drafter.context_kv(feats[:, :needed]))
 
     @torch.no_grad()
     def score(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -106,20 +107,19 @@ class BlockScorer:
         ids = torch.full((N, B), self.drafter.mask_token_id, dtype=torch.long, device=starts.device)
         ids[:, 0] = truth[:, 0]
 
-        context = []
-        one_sequence = len(set(seqs)) == 1
-        for layer in range(len(self.drafter.layers)):
-            if one_sequence:  # share its context keys/values, no padding
-                k, v = self.context[seqs[0]][layer]
-                context.append((k[None, :, :S].expand(N, -1, -1, -1), v[None, :, :S].expand(N, -1, -1, -1)))
-            else:
+        block_embeds = F.embedding(ids, self.embed)
+        if len(set(seqs)) == 1:
+            hidden = self.drafter.forward_in_sequence(block_embeds, starts, self.context[seqs[0]])
+        else:  # pad each sequence's context to S; positions >= a block's start are masked anyway
+            context = []
+            for layer in range(len(self.drafter.layers)):
                 k_ref = self.context[seqs[0]][layer][0]
                 k = k_ref.new_zeros(N, k_ref.shape[0], S, k_ref.shape[2])
                 v = torch.zeros_like(k)
-                for n, (s, p) in enumerate(blocks):  # positions >= start are masked, only [:start] matters
+                for n, (s, p) in enumerate(blocks):
                     k[n, :, :p], v[n, :, :p] = self.context[s][layer][0][:, :p], self.context[s][layer][1][:, :p]
                 context.append((k, v))
-        hidden = self.drafter(F.embedding(ids, self.embed), starts, context)  # [N, B, H]
+            hidden = self.drafter(block_embeds, starts, context)  # [N, B, H]
 
         accepted = torch.zeros(N, dtype=torch.long, device=starts.device)
         rejected = torch.full((N,), -1, dtype=torch.long, device=starts.device)

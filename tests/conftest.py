@@ -35,3 +35,19 @@ def gemma3_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def qwen2_5_vl_dir(tmp_path_factory):
     return tiny_models.build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+# The tiny TRAINED target and drafter run: built once per machine (cached by a hash of the builder's
+# code and settings under $DFLASH_TINY_CACHE or ~/.cache/dflash-eval/tiny), a few minutes when missing.
+@pytest.fixture(scope="session")
+def tiny_qwen3_run():
+    from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
+
+    return tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_run():
+    from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
+
+    return tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3_5"))

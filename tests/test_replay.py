@@ -17,7 +17,7 @@ from dflash_core.features import extract_features
 from dflash_core.replay import Reference, replay
 from dflash_core.target import Target, load_target
 from tests.drafters import drafter_config, random_drafter
-from tests.tiny_models import build_qwen3_5_pair, qwen3_config
+from tests.tiny_models import qwen3_config
 
 VOCAB = 24
 STOP = 3
@@ -117,12 +117,6 @@ def test_off_by_one_layer_changes_acceptance(qwen3_target):
     a = replay(*args, right, all_positions=True)
     b = replay(*args, shifted, all_positions=True)
     assert [r.all_positions for r in a] != [r.all_positions for r in b]
-
-
-@pytest.fixture(scope="module")
-def qwen3_5_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3_5")
-    return build_qwen3_5_pair(root / "text", root / "vlm", seed=3)
 
 
 def test_hybrid_target_rolls_back_recurrent_state(qwen3_5_dirs):

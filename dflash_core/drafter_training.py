@@ -1,0 +1,148 @@
+"""Train a DFlash drafter on a target's own greedy continuations (the published recipe, small).
+
+Recipe (SpecForge / DFlash): for each training sequence pick random anchors among the completion
+tokens; each anchor's block is [anchor token, MASK x (B-1)] at positions anchor .. anchor+B-1; its
+context is the target's features of the tokens strictly before the anchor; its labels are the
+target's tokens at anchor+1 .. anchor+B-1. The loss is cross-entropy through the frozen target
+head, weighted exp(-(k-1)/gamma) by block position k; the target's embeddings are frozen too.
+
+Blocks never see each other: each block is its own batch row, so the attention mask cannot leak
+across blocks (SpecForge #470), and a block sees the context only before its own anchor.
+
+Saves checkpoints at steps like a real run (step_100/, step_200/, ...) in the published format.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .drafter import DFlashDrafter, DrafterConfig, save_drafter
+from .replay import Reference
+
+
+@dataclass(frozen=True)
+class DrafterTrainingSettings:
+    steps: int = 400
+    save_every: int = 100
+    sequences_per_step: int = 8
+    anchors_per_sequence: int = 32
+    lr: float = 2e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    loss_decay_gamma: float = 4.0  # SpecForge uses 7 for blocks of 16; 4 suits blocks of 8
+    seed: int = 0
+
+
+def init_drafter(raw_config: dict, seed: int = 0, sliding_semantics: str = "causal") -> DFlashDrafter:
+    """A freshly initialised drafter (normal(0, 0.02) projections, unit norms), float32."""
+    torch.manual_seed(seed)
+    model = DFlashDrafter(DrafterConfig.from_dict(raw_config), sliding_semantics)
+    for name, p in model.named_parameters():
+        if p.ndim == 2:
+            torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, gamma, generator):
+    """Weighted cross-entropy of n_anchors random blocks from each of a batch of sequences.
+
+    tokens[i] [T_i] (prompt + completion), features[i] [K, >= T_i - 1, H], prompt_lens[i].
+    All blocks run as one batch; each row sees only its own sequence's context before its anchor.
+    """
+    B, n_seq = drafter.block_size, len(tokens)
+    K, H = features[0].shape[0], features[0].shape[2]
+    context_len = max(len(t) - 1 for t in tokens)
+    padded = torch.zeros(n_seq, K, context_len, H)
+    for i, (t, f) in enumerate(zip(tokens, features)):
+        padded[i, :, : len(t) - 1] = f[:, : len(t) - 1]
+    context = drafter.context_kv(padded)  # per layer (k, v) [n_seq, n_kv, context_len, hd]
+
+    rows, anchors = [], []
+    for i, (t, prompt_len) in enumerate(zip(tokens, prompt_lens)):
+        # anchors among the completion tokens that have at least one label after them
+        candidates = len(t) - 1 - prompt_len
+        chosen = prompt_len + torch.randperm(candidates, generator=generator)[: min(n_anchors, candidates)]
+        rows += [i] * len(chosen)
+        anchors.append(chosen)
+    rows, anchors = torch.tensor(rows), torch.cat(anchors)
+    offsets = torch.arange(B)
+    positions = anchors[:, None] + offsets  # [N, B]
+    lengths = torch.tensor([len(t) for t in tokens])[rows]
+    all_tokens = torch.nn.utils.rnn.pad_sequence(list(tokens), batch_first=True)  # [n_seq, T_max]
+    labels = all_tokens[rows[:, None], positions.clamp(max=all_tokens.shape[1] - 1)]
+    labels = torch.where(positions < lengths[:, None], labels, -100)[:, 1:]  # [N, B-1]
+    ids = torch.full_like(positions, drafter.mask_token_id)
+    ids[:, 0] = all_tokens[rows, anchors]
+
+    S = int(anchors.max())
+    block_context = [(k[rows, :, :S], v[rows, :, :S]) for k, v in context]
+    hidden = drafter(F.embedding(ids, embed), anchors, block_context)  # [N, B, H]
+    logits = hidden[:, 1:] @ head.T  # [N, B-1, V]
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none",
+                         ignore_index=-100).view(labels.shape)
+    weights = torch.exp(-(offsets[1:] - 1) / gamma)[None].expand_as(ce) * (labels != -100)
+    return (ce * weights).sum() / weights.sum()
+
+
+def train_drafter(
+    raw_config: dict,
+    embed_weight: torch.Tensor,
+    head_weight: torch.Tensor,
+    references: Sequence[Reference],
+    features: Sequence[torch.Tensor],
+    out_dir: str | Path,
+    settings: DrafterTrainingSettings = DrafterTrainingSettings(),
+    sliding_semantics: str = "causal",
+    log: Callable[[str], None] | None = print,
+) -> list[Path]:
+    """Train a drafter with `raw_config` (a DFlash config.json dict) and save step_N checkpoints.
+
+    features[i]: the target's features [K, T_i, H] of reference i for the config's target_layer_ids.
+    Returns the saved checkpoint directories in step order.
+    """
+    drafter = init_drafter(raw_config, settings.seed, sliding_semantics).train()
+    embed = embed_weight.detach().float()
+    head = head_weight.detach().float()
+    tokens = [torch.as_tensor(list(r.token_ids)) for r in references]
+    usable = [i for i, r in enumerate(references) if len(r.token_ids) - 1 > r.prompt_len]
+    if not usable:
+        raise ValueError("no reference has a completion of two or more tokens to train on")
+
+    decay = [p for p in drafter.parameters() if p.ndim == 2]
+    no_decay = [p for p in drafter.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
+
+    def lr_at(step):  # linear warmup, cosine to 10%
+        if step < settings.warmup_steps:
+            return settings.lr * (step + 1) / settings.warmup_steps
+        progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
+        return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    generator = torch.Generator().manual_seed(settings.seed)
+    out_dir = Path(out_dir)
+    saved, started, running = [], time.perf_counter(), None
+    for step in range(1, settings.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1)
+        pick = [usable[j] for j in torch.randint(len(usable), (settings.sequences_per_step,), generator=generator)]
+        loss = block_loss(drafter, embed, head, [tokens[i] for i in pick], [features[i].float() for i in pick],
+                          [references[i].prompt_len for i in pick], settings.anchors_per_sequence,
+                          settings.loss_decay_gamma, generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        if step % settings.save_every == 0 or step == settings.steps:
+            path = out_dir / f"step_{step}"
+            save_drafter(drafter, path)
+            saved.append(path)
+            if log:
+                log(f"drafter step {step}: loss {running:.3f} ({time.perf_counter() - started:.0f} s) -> {path}")
+    return saved

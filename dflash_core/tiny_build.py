@@ -1,0 +1,220 @@
+"""Build a tiny trained target and a DFlash drafter training run, for the demo, tests and smoke tests.
+
+`build_tiny(out)` writes:
+
+    out/target/               HF model directory (safetensors, tokenizer, chat template)
+    out/target_vlm/           (arch "qwen3_5" only) the same text weights wrapped as
+                              Qwen3_5ForConditionalGeneration with a tiny vision tower
+    out/drafter/step_N/       drafter checkpoints in the published format, as a training run saves them
+    out/prompts.jsonl         held-out eval prompts: {"id", "input_ids", "text", "category"}
+    out/build.json            settings, content key, timings, tau per saved step
+
+`tiny_run(cache_root, settings)` returns a finished build from the cache, keyed by a hash of the
+builder's code and settings, or builds it (into a temporary folder renamed into place when done,
+so an interrupted build never looks finished).
+"""
+
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import transformers
+
+from . import decoding, drafter, drafter_training, features, replay, tiny_target
+from .drafter import load_drafter
+from .drafter_training import DrafterTrainingSettings, train_drafter
+from .features import extract_features
+from .replay import Reference
+from .target import Target
+
+BUILD_RECORD = "build.json"
+
+
+@dataclass(frozen=True)
+class TinyBuildSettings:
+    arch: str = "qwen3"  # "qwen3" or "qwen3_5" (hybrid Gated DeltaNet + full attention)
+    target_steps: int | None = None  # None: tiny_target.DEFAULT_STEPS[arch]
+    corpus_bytes: int = tiny_target.DEFAULT_CORPUS_BYTES
+    vocab_size: int = 512
+    # drafter: two layers, sliding then full, like the Qwen3.6 drafters (four sliding, one full)
+    block_size: int = 8
+    layer_ids: tuple[int, ...] = (1, 2)  # of the target's 4 layers
+    drafter_layer_types: tuple[str, ...] = ("sliding_attention", "full_attention")
+    sliding_window: int = 64
+    train_prompts: int = 384
+    eval_prompts: int = 32
+    prompt_len: int = 32
+    max_new_tokens: int = 96
+    drafter_training: DrafterTrainingSettings = field(default_factory=DrafterTrainingSettings)
+    seed: int = 0
+
+
+@dataclass
+class TinyRun:
+    """A finished tiny build (paths into its folder)."""
+
+    root: Path
+    record: dict
+
+    @property
+    def target_dir(self) -> Path:
+        return self.root / "target"
+
+    @property
+    def target_vlm_dir(self) -> Path:
+        return self.root / "target_vlm"
+
+    @property
+    def drafter_steps(self) -> list[Path]:
+        return [self.root / "drafter" / f"step_{s}" for s in self.record["steps"]]
+
+    @property
+    def prompts_file(self) -> Path:
+        return self.root / "prompts.jsonl"
+
+
+def tiny_run_key(settings: TinyBuildSettings) -> str:
+    """Content key of a build: the builder's code, its settings and the library versions."""
+    code = "".join(inspect.getsource(m) for m in (tiny_target, drafter, drafter_training, features, replay, decoding))
+    code += inspect.getsource(sys.modules[__name__])
+    identity = {
+        "code": hashlib.sha256(code.encode()).hexdigest(),
+        "settings": asdict(settings),
+        "python": sys.version_info[:2],  # the corpus is the stdlib of this Python
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def drafter_config(settings: TinyBuildSettings, target: Target, mask_token_id: int) -> dict:
+    """The drafter's config.json (the published DFlash format)."""
+    hidden = target.hidden_size
+    return {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "hidden_size": hidden, "num_hidden_layers": len(settings.drafter_layer_types),
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
+        "intermediate_size": 2 * hidden, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": target.max_positions, "vocab_size": target.vocab_size,
+        "layer_types": list(settings.drafter_layer_types), "sliding_window": settings.sliding_window,
+        "block_size": settings.block_size, "num_target_layers": target.num_layers,
+        "dflash_config": {"target_layer_ids": list(settings.layer_ids), "mask_token_id": mask_token_id},
+    }
+
+
+def _train_prompts(tokenizer, text: str, n: int, length: int, seed: int) -> list[list[int]]:
+    """n windows from the training part of the corpus (the eval prompts come from the held-out tail)."""
+    train_text, _ = tiny_target.split_corpus(text)
+    ids = tiny_target.encode_documents(tokenizer, train_text)
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - length, (n,), generator=generator)
+    return [ids[s : s + length].tolist() for s in starts]
+
+
+@torch.no_grad()
+def _greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int) -> list[list[int]]:
+    """Greedy continuations of equal-length prompts in batches (training data; no padding needed)."""
+    out = []
+    for i in range(0, len(prompts), 64):
+        batch = torch.tensor(prompts[i : i + 64])
+        generated = model.generate(batch, attention_mask=torch.ones_like(batch), max_new_tokens=max_new_tokens,
+                                   do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        for row in generated.tolist():
+            completion = row[batch.shape[1]:]
+            if eos in completion:
+                completion = completion[: completion.index(eos) + 1]
+            out.append(row[: batch.shape[1]] + completion)
+    return out
+
+
+def tau_of(drafter_dir: Path, target: Target, references, feats, sliding_semantics="causal") -> float:
+    """Macro tau (mean over prompts of each prompt's mean acceptance length) of a drafter checkpoint."""
+    model = load_drafter(drafter_dir, sliding_semantics=sliding_semantics)
+    results = replay.replay(model, target.embed_weight, target.head_weight, references, feats)
+    per_prompt = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in results if r.acceptance_lengths]
+    return sum(per_prompt) / len(per_prompt)
+
+
+def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(),
+               log: Callable[[str], None] | None = print) -> TinyRun:
+    """Train the tiny target and a drafter run into `out` (see the module docstring)."""
+    log = log or (lambda message: None)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    timings = {}
+    started = time.perf_counter()
+
+    text, corpus_sha256 = tiny_target.build_corpus(settings.corpus_bytes)
+    tokenizer = tiny_target.train_tokenizer(text, settings.vocab_size)
+    model, stats = tiny_target.train_target(tokenizer, text, settings.arch, settings.target_steps, settings.seed)
+    tiny_target.save_target(model, tokenizer, out / "target")
+    if settings.arch == "qwen3_5":
+        tiny_target.save_qwen3_5_vlm(model, tokenizer, out / "target_vlm")
+    timings["target"] = time.perf_counter() - started
+    log(f"target: {stats.num_params / 1e6:.1f}M params, loss {stats.final_loss:.2f} "
+        f"(held-out {stats.held_out_loss:.2f}), {timings['target']:.0f} s")
+
+    target = Target.from_model(model)
+    eos = tokenizer.eos_token_id
+    mask_token_id = tokenizer.convert_tokens_to_ids(tiny_target.MASK_TOKEN)
+    t = time.perf_counter()
+    train_refs = [Reference(settings.prompt_len, seq) for seq in _greedy_batch(
+        model, _train_prompts(tokenizer, text, settings.train_prompts, settings.prompt_len, settings.seed),
+        settings.max_new_tokens, eos)]
+    eval_prompts = tiny_target.prompt_snippets(tokenizer, text, settings.eval_prompts, settings.prompt_len, settings.seed)
+    eval_refs = [Reference(settings.prompt_len, seq) for seq in _greedy_batch(model, eval_prompts, settings.max_new_tokens, eos)]
+    train_feats = extract_features(target, [r.token_ids for r in train_refs], settings.layer_ids)
+    eval_feats = extract_features(target, [r.token_ids for r in eval_refs], settings.layer_ids)
+    timings["references_and_features"] = time.perf_counter() - t
+    log(f"references + features: {len(train_refs)} train, {len(eval_refs)} eval, {timings['references_and_features']:.0f} s")
+
+    t = time.perf_counter()
+    raw = drafter_config(settings, target, mask_token_id)
+    saved = train_drafter(raw, target.embed_weight, target.head_weight, train_refs, train_feats,
+                          out / "drafter", settings.drafter_training, log=log)
+    timings["drafter"] = time.perf_counter() - t
+
+    taus = {p.name: tau_of(p, target, eval_refs, eval_feats) for p in saved}
+    timings["total"] = time.perf_counter() - started
+    for name, tau in taus.items():
+        log(f"{name}: tau {tau:.2f} (block {settings.block_size}, {len(eval_refs)} held-out prompts)")
+
+    with open(out / "prompts.jsonl", "w") as f:
+        for i, p in enumerate(eval_prompts):
+            f.write(json.dumps({"id": f"tiny-{i:03d}", "input_ids": p, "text": tokenizer.decode(p), "category": "code"}) + "\n")
+    record = {
+        "key": tiny_run_key(settings), "settings": asdict(settings), "corpus_sha256": corpus_sha256,
+        "target": asdict(stats), "steps": [int(p.name.removeprefix("step_")) for p in saved],
+        "tau": taus, "timings_s": {k: round(v, 1) for k, v in timings.items()},
+    }
+    (out / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+    return TinyRun(out, record)
+
+
+def default_cache_root() -> Path:
+    """$DFLASH_TINY_CACHE, else ~/.cache/dflash-eval/tiny."""
+    return Path(os.environ.get("DFLASH_TINY_CACHE") or Path.home() / ".cache" / "dflash-eval" / "tiny")
+
+
+def tiny_run(cache_root: str | Path, settings: TinyBuildSettings = TinyBuildSettings(),
+             log: Callable[[str], None] | None = print) -> TinyRun:
+    """The cached build for these settings under cache_root/<key>, built first if missing."""
+    final = Path(cache_root) / tiny_run_key(settings)
+    if (final / BUILD_RECORD).exists():
+        return TinyRun(final, json.loads((final / BUILD_RECORD).read_text()))
+    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    run = build_tiny(partial, settings, log)
+    try:
+        partial.rename(final)
+    except OSError:  # another process finished the same build first: use theirs
+        shutil.rmtree(partial, ignore_errors=True)
+    return TinyRun(final, json.loads((final / BUILD_RECORD).read_text()))
