@@ -589,8 +589,10 @@ def save_qwen3_5_vlm(
         num_position_embeddings=16,
     )
     token_id = tokenizer.convert_tokens_to_ids
+    # the published checkpoints' text sub-config names no architecture (the wrapper's does)
+    text_dict = {k: v for k, v in text_config.to_dict().items() if k != "architectures"}
     config = Qwen3_5Config(
-        text_config=text_config.to_dict(),
+        text_config=text_dict,
         vision_config=vision_config,
         image_token_id=token_id("<|image_pad|>"),
         video_token_id=token_id("<|video_pad|>"),

@@ -299,6 +299,7 @@ def test_qwen3_5_target_and_vlm_wrapper_give_identical_logits(tmp_path, tokenize
 
     config = json.loads((vlm_path / "config.json").read_text())
     assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    assert "architectures" not in config["text_config"]  # as in the published checkpoints
     assert config["image_token_id"] == tokenizer.convert_tokens_to_ids("<|image_pad|>")
     assert AutoTokenizer.from_pretrained(vlm_path).eos_token_id == tokenizer.eos_token_id
 
