@@ -445,11 +445,12 @@ def save_drafter(drafter: DFlashDrafter, path: str | Path) -> None:
     save_file({k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}, str(path / "model.safetensors"))
 
 
-def check_compatible(drafter: DFlashDrafter, hidden_size: int, vocab_size: int, num_layers: int | None = None) -> None:
-    """Refuse a drafter that cannot run on a target of this shape, naming the mismatch.
-
-    num_layers=None skips the layer-id checks (the features at hand already fix the layers)."""
-    cfg = drafter.cfg
+def check_compatible(
+    drafter: "DFlashDrafter | DrafterConfig", hidden_size: int, vocab_size: int, num_layers: int | None = None
+) -> None:
+    """Refuse a drafter (loaded, or just its config) that cannot run on a target of this shape, naming
+    the mismatch. num_layers=None skips the layer-id checks (the features at hand already fix the layers)."""
+    cfg = drafter.cfg if isinstance(drafter, DFlashDrafter) else drafter
     if cfg.hidden_size != hidden_size:
         raise DrafterError(f"drafter hidden_size {cfg.hidden_size} != target hidden_size {hidden_size}: this drafter was trained for another target")
     if not 0 <= cfg.mask_token_id < vocab_size:

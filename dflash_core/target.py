@@ -27,6 +27,7 @@ from transformers import (
     AutoModelForImageTextToText,
     Cache,
     DynamicCache,
+    GenerationConfig,
     PretrainedConfig,
     PreTrainedModel,
 )
@@ -299,6 +300,41 @@ class Target:
         )
 
     __call__ = forward
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """What a target's config.json says about its text model, read without loading any weight."""
+
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    max_positions: int | None
+    eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
+
+
+def read_target_config(path) -> TargetConfig:
+    """Read a target checkpoint's text config (and stop tokens) to check inputs before any work."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); pass the target checkpoint folder")
+    config = AutoConfig.from_pretrained(path)
+    text = config.get_text_config(decoder=True)
+    eos = None
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        pass
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None) or getattr(text, "eos_token_id", None)
+    eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return TargetConfig(
+        hidden_size=text.hidden_size,
+        vocab_size=text.vocab_size,
+        num_layers=text.num_hidden_layers,
+        max_positions=getattr(text, "max_position_embeddings", None),
+        eos_token_ids=tuple(int(e) for e in eos),
+    )
 
 
 def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Target:

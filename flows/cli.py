@@ -1,14 +1,132 @@
 """The `dflash-eval` command line."""
 
+import json
+import os
 from dataclasses import replace
 from pathlib import Path
 
 import typer
 
+# This tool runs offline: Prefect's temporary server must not try to send telemetry.
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 app = typer.Typer(help="Evaluate DFlash speculative-decoding drafters offline.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
 tiny_app = typer.Typer(help="The tiny trained target and drafter run (demo, tests, smoke tests).", no_args_is_help=True)
 app.add_typer(tiny_app, name="tiny")
+
+TARGET = typer.Option(..., "--target", help="Target model folder (Hugging Face format).")
+DRAFTER = typer.Option(..., "--drafter", help="Drafter checkpoint folder (config.json + model.safetensors).")
+PROMPTS = typer.Option(..., "--prompts", help="Prompts JSONL: id + one of text/messages/turns/input_ids, optional category.")
+MAX_NEW = typer.Option(256, "--max-new-tokens", help="Greedy reference length limit per prompt.")
+STORE = typer.Option(None, "--store", help="Store root (default $DFLASH_STORE, else ./.dflash-store).")
+DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16: target and drafter compute dtype.")
+DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
+SEMANTICS = typer.Option("causal", "--sliding-semantics",
+                         help="Sliding drafter layers: causal (training/serving) or non_causal (z-lab reference).")
+THINKING = typer.Option(False, "--thinking/--no-thinking", help="enable_thinking in the chat template.")
+
+
+def _evaluate(**kwargs) -> dict:
+    """Check the inputs (one clear error, nothing written), then run the flow."""
+    from flows.evaluate import InputError, check_inputs, evaluate_checkpoint
+    from dflash_core.drafter import DrafterError
+
+    try:
+        check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
+                     kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"])
+        return evaluate_checkpoint(**kwargs)
+    except (InputError, DrafterError) as e:
+        typer.secho(f"error: {e}", err=True, fg="red")
+        raise typer.Exit(2) from None
+
+
+def _print_results(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"drafter {Path(results['drafter']['source']).name}", show_header=True)
+    for column in ("stage", "status", "key"):
+        table.add_column(column)
+    for stage, status in results["stages"].items():
+        table.add_row(stage, status, results["keys"][stage][:12])
+    console = Console()
+    console.print(table)
+    if "tau_macro" in results:
+        console.print(
+            f"tau macro {results['tau_macro']:.3f}, pooled {results['tau_pooled']:.3f} "
+            f"(block {results['block_size']}, {results['n_scored_prompts']} prompts, {results['n_steps']} steps, "
+            f"{results['clipped_last_steps']} clipped last steps; {results['sliding_semantics']} sliding layers)"
+        )
+
+
+def _write(results: dict, out: Path | None) -> None:
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+        typer.echo(f"results: {out}")
+
+
+@app.command()
+def run(
+    target: str = TARGET, drafter: str = DRAFTER, prompts: str = PROMPTS, max_new_tokens: int = MAX_NEW,
+    store: str = STORE, out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
+    dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
+):
+    """Evaluate a drafter checkpoint: tau on the prompts, computing only what the store lacks.
+
+    Example: dflash-eval run --target runs/tiny/target --drafter runs/tiny/drafter/step_400
+    --prompts runs/tiny/prompts.jsonl --out results.json
+    """
+    results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
+                        dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking)
+    _print_results(results)
+    _write(results, out)
+
+
+@app.command()
+def stage(
+    name: str = typer.Argument(..., help="fetch, references, features, drafts or scores."),
+    target: str = TARGET, drafter: str = DRAFTER, prompts: str = PROMPTS, max_new_tokens: int = MAX_NEW,
+    store: str = STORE, refresh: bool = typer.Option(False, "--refresh", help="Recompute it even if the store has it."),
+    out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
+    dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
+):
+    """Run one stage by hand (and the stages it needs, from the store when they are there)."""
+    from flows.evaluate import STAGES
+
+    if name not in STAGES:
+        raise typer.BadParameter(f"one of {', '.join(STAGES)}, got {name!r}", param_hint="NAME")
+    results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
+                        dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
+                        until=name, refresh=[name] if refresh else [])
+    _print_results(results)
+    _write(results, out)
+
+
+@app.command()
+def demo(
+    store: str = STORE,
+    out: Path = typer.Option(None, "--out", help="Write each step's results JSON into this folder."),
+):
+    """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved
+    step through the full flow, print tau per step. No server, no GPU, no downloads."""
+    from dflash_core.tiny_build import default_cache_root, tiny_run
+
+    tiny = tiny_run(default_cache_root(), log=typer.echo)
+    typer.echo(f"tiny run: {tiny.root}")
+    rows = []
+    for checkpoint in tiny.drafter_steps:
+        results = _evaluate(target=str(tiny.target_dir), drafter=str(checkpoint), prompts=str(tiny.prompts_file),
+                            max_new_tokens=tiny.record["settings"]["max_new_tokens"], store=store,
+                            dtype="float32", device="cpu", sliding_semantics="causal", thinking=False)
+        _print_results(results)
+        _write(results, out / f"{checkpoint.name}.json" if out else None)
+        rows.append((checkpoint.name, results))
+    typer.echo("\nstep        tau macro  tau pooled  ran")
+    for name, results in rows:
+        ran = ", ".join(s for s, status in results["stages"].items() if status == "ran") or "nothing (all cached)"
+        typer.echo(f"{name:<10}  {results['tau_macro']:9.3f}  {results['tau_pooled']:10.3f}  {ran}")
 
 
 @tiny_app.command("build")

@@ -1,6 +1,15 @@
-"""Session-wide tiny target checkpoints (built from configs, saved once per test session)."""
+"""Session-wide fixtures: tiny target checkpoints, the trained tiny runs, one Prefect test server."""
+
+import os
+import tempfile
 
 import pytest
+
+# Prefect reads these when first used: a throwaway home (its database, result storage), no telemetry
+# (there is no network), quiet logs. Set before anything imports prefect.
+os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="dflash-eval-prefect-")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 
 from tests import tiny_models
 
@@ -48,6 +57,20 @@ def tiny_qwen3_run():
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_run():
+    from dflash_core.drafter_training import DrafterTrainingSettings
     from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
 
-    return tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3_5"))
+    # two saved steps are enough here (the Qwen3 fixture covers tau rising with training)
+    settings = TinyBuildSettings(arch="qwen3_5", drafter_training=DrafterTrainingSettings(steps=200, save_every=100))
+    return tiny_run(default_cache_root(), settings)
+
+
+@pytest.fixture(scope="session")
+def prefect_api_url():
+    """One Prefect server for the whole session (flows run in-process report to it); its URL lets
+    subprocesses (the command line) report to it too instead of starting servers of their own."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield PREFECT_API_URL.value()

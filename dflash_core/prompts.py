@@ -1,0 +1,260 @@
+"""Evaluation prompt sets: a JSONL file read into token ids with the target's tokenizer.
+
+One JSON object per line (blank lines are skipped). Each object has an `id` (a
+string, or an int that becomes a string; unique in the file), an optional
+`category` (a string) and exactly one of four prompt fields:
+
+    {"id": "p1", "category": "code", "text": "def fibonacci(n):"}
+    {"id": "p2", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort a list."}]}
+    {"id": 3, "turns": ["Write a haiku about tokenizers."]}
+    {"id": "p4", "input_ids": [151644, 872, 198, 9707]}
+
+- `text` is used verbatim: `tokenizer(text)["input_ids"]`, with the tokenizer's
+  default special tokens (e.g. a BOS token where the tokenizer adds one).
+- `messages` is rendered with the target's chat template, with the generation
+  prompt added (`add_generation_prompt=True`) and `enable_thinking` passed to the
+  template (Qwen3-style templates read it; others ignore it).
+- `turns` is z-lab's format: the user turns of a conversation. One turn is the
+  same as `messages` with one user message. Several turns would need the target's
+  own answers between them and are not supported yet.
+- `input_ids` are used as they are.
+
+Other fields are ignored. Every problem raises `PromptError` naming the file,
+the 1-based line and the field.
+"""
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+PROMPT_FIELDS = ("text", "messages", "turns", "input_ids")
+
+
+class PromptError(ValueError):
+    """A prompt file that cannot be read: the message names the file, line and field, and what to do."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt of a set: its token ids and where it came from."""
+
+    id: str
+    input_ids: tuple[int, ...]
+    category: str | None
+    line: int  # 1-based line in the file
+    source: str  # the field the prompt came from: "text", "messages", "turns" or "input_ids"
+
+
+def _type_name(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Line:
+    """Builds errors for one line of the file."""
+
+    def __init__(self, path: Path, number: int):
+        self.path = path
+        self.number = number
+
+    def error(self, message: str, field: str | None = None) -> PromptError:
+        where = f"{self.path}:{self.number}: "
+        if field is not None:
+            where += f"field '{field}': "
+        return PromptError(where + message)
+
+
+def _read_id(record: dict, at: _Line) -> str:
+    if "id" not in record:
+        raise at.error("missing; give each prompt a unique string or integer id", "id")
+    value = record["id"]
+    if _is_int(value):
+        return str(value)
+    if not isinstance(value, str):
+        raise at.error(f"must be a string or an integer, got {_type_name(value)}", "id")
+    if not value:
+        raise at.error("must not be empty; give each prompt a unique string or integer id", "id")
+    return value
+
+
+def _read_category(record: dict, at: _Line) -> str | None:
+    value = record.get("category")
+    if value is not None and not isinstance(value, str):
+        raise at.error(f"must be a string (or left out), got {_type_name(value)}", "category")
+    return value
+
+
+def _validate_messages(messages, at: _Line) -> list[dict]:
+    if not isinstance(messages, list):
+        raise at.error(
+            f'must be a list of {{"role": ..., "content": ...}} objects, got {_type_name(messages)}', "messages"
+        )
+    if not messages:
+        raise at.error("is an empty list; give at least one message, e.g. one user message", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise at.error(
+                f'message {i} must be an object {{"role": ..., "content": ...}}, got {_type_name(message)}', "messages"
+            )
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise at.error(
+                f'message {i} needs a "role" that is a non-empty string (e.g. "user"), got {_type_name(role)}',
+                "messages",
+            )
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise at.error(f'message {i} needs a "content" that is a string, got {_type_name(content)}', "messages")
+    return [dict(message) for message in messages]
+
+
+def _turns_to_messages(turns, at: _Line) -> list[dict]:
+    if not isinstance(turns, list):
+        raise at.error(f"must be a list of strings (the user turns), got {_type_name(turns)}", "turns")
+    if not turns:
+        raise at.error("is an empty list; give one user turn", "turns")
+    for i, turn in enumerate(turns):
+        if not isinstance(turn, str):
+            raise at.error(f"turn {i} must be a string, got {_type_name(turn)}", "turns")
+    if len(turns) > 1:
+        raise at.error(
+            f"has {len(turns)} turns; multi-turn prompts need the target's own answers between turns and are "
+            "not supported yet; use one turn per line (or `messages` with the answers written in)",
+            "turns",
+        )
+    return [{"role": "user", "content": turns[0]}]
+
+
+def _apply_chat_template(tokenizer, messages: list[dict], thinking: bool, field: str, at: _Line) -> list[int]:
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise at.error(
+            "the target's tokenizer has no chat template; write the prompt as `text` (the exact string, "
+            "template included) or as `input_ids` instead",
+            field,
+        )
+    try:
+        result = tokenizer.apply_chat_template(
+            messages, tokenize=True, add_generation_prompt=True, enable_thinking=thinking
+        )
+    except Exception as error:  # a template may raise on messages it does not accept (e.g. role order)
+        raise at.error(f"the chat template failed on these messages: {error}", field) from error
+    # transformers 5 returns a BatchEncoding (a mapping); older versions a list of ids.
+    return result["input_ids"] if isinstance(result, Mapping) else result
+
+
+def _read_input_ids(value, at: _Line) -> list[int]:
+    if not isinstance(value, list):
+        raise at.error(f"must be a list of non-negative integers, got {_type_name(value)}", "input_ids")
+    for i, token in enumerate(value):
+        if not _is_int(token) or token < 0:
+            raise at.error(
+                f"item {i} is {json.dumps(token)}; token ids must be non-negative integers", "input_ids"
+            )
+    return value
+
+
+def _read_record(record: dict, at: _Line, tokenizer, thinking: bool, vocab_size: int | None) -> Prompt:
+    prompt_id = _read_id(record, at)
+    category = _read_category(record, at)
+    found = [name for name in PROMPT_FIELDS if name in record]
+    if len(found) != 1:
+        what = "none of them" if not found else " and ".join(f"'{name}'" for name in found)
+        raise at.error(
+            f"a prompt needs exactly one of 'text', 'messages', 'turns' or 'input_ids'; found {what}; "
+            "keep one prompt field per line"
+        )
+    (source,) = found
+    value = record[source]
+    if source == "text":
+        if not isinstance(value, str):
+            raise at.error(f"must be a string, got {_type_name(value)}", "text")
+        ids = tokenizer(value)["input_ids"]
+    elif source == "messages":
+        ids = _apply_chat_template(tokenizer, _validate_messages(value, at), thinking, source, at)
+    elif source == "turns":
+        ids = _apply_chat_template(tokenizer, _turns_to_messages(value, at), thinking, source, at)
+    else:
+        ids = _read_input_ids(value, at)
+    ids = tuple(int(token) for token in ids)
+    if not ids:
+        raise at.error("the prompt is empty (no tokens); give it some content or remove the line", source)
+    if vocab_size is not None:
+        for i, token in enumerate(ids):
+            if token >= vocab_size:
+                raise at.error(
+                    f"token {i} is id {token}, not below the target's vocabulary size {vocab_size}; "
+                    "the ids must come from the target's own tokenizer",
+                    source,
+                )
+    return Prompt(id=prompt_id, input_ids=ids, category=category, line=at.number, source=source)
+
+
+def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | None = None) -> list[Prompt]:
+    """Read a JSONL prompt set (see the module docstring) into token ids, in file order.
+
+    `tokenizer` is the target's Hugging Face tokenizer; `thinking` is passed to its chat
+    template as `enable_thinking` for `messages`/`turns` prompts; with `vocab_size`, every
+    token id must be below it. The first problem in the file raises `PromptError`.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise PromptError(f"{path}: prompt file not found; check the path") from None
+    except OSError as error:
+        raise PromptError(f"{path}: cannot read the prompt file: {error}") from error
+    prompts: list[Prompt] = []
+    first_line_of: dict[str, int] = {}
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        at = _Line(path, number)
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise at.error(f"not valid UTF-8 ({error}); save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise at.error(
+                f"not valid JSON ({error.msg} at column {error.colno}); write one JSON object per line"
+            ) from None
+        if not isinstance(record, dict):
+            raise at.error(f"expected a JSON object, got {_type_name(record)}; write one JSON object per line")
+        prompt = _read_record(record, at, tokenizer, thinking, vocab_size)
+        if prompt.id in first_line_of:
+            raise at.error(
+                f"duplicate id {prompt.id!r}, already used on line {first_line_of[prompt.id]}; ids must be unique "
+                "in the file",
+                "id",
+            )
+        first_line_of[prompt.id] = number
+        prompts.append(prompt)
+    if not prompts:
+        raise PromptError(f"{path}: no prompts (the file is empty or only blank lines); write one JSON object per line")
+    return prompts
+
+
+def prompt_set_identity(prompts: list[Prompt]) -> list[dict]:
+    """What identifies a prompt set, as JSON-able data: `[{"id", "category", "input_ids"}]` in order.
+
+    A cache key over the prompt set hashes this; the line numbers and source fields are left
+    out, so the same prompts written another way (e.g. `text` or `input_ids`) give the same key.
+    """
+    return [{"id": p.id, "category": p.category, "input_ids": list(p.input_ids)} for p in prompts]

@@ -1,0 +1,178 @@
+"""The main job: evaluate one drafter checkpoint against a target on a prompt set.
+
+    fetch ─────────────────────────┐
+    references ─> features ────────┴─> drafts ─> scores
+
+Every stage keeps its output in the store under a content key (tasks/stage.py): for a new
+checkpoint of the same drafter run only fetch, drafts and scores do any work; references and
+features show as `Cached`. Inputs are checked before any stage runs, so bad input leaves the store
+untouched.
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prefect import flow
+from prefect.runtime import flow_run
+
+from dflash_core.drafter import DrafterConfig, DrafterError, check_compatible, read_drafter_config
+from dflash_core.prompts import PromptError
+from dflash_core.target import read_target_config
+from storage import Store, read_json
+from tasks.drafts import draft
+from tasks.features import extract_target_features
+from tasks.fetch import fetch_checkpoint, training_step
+from tasks.references import generate_references, load_prompts
+from tasks.scores import score
+from tasks.target import DTYPES
+
+STAGES = ("fetch", "references", "features", "drafts", "scores")
+# What each stage needs done first (a hand-run stage runs these too; they are usually cached).
+DEPENDS_ON = {
+    "fetch": (), "references": (), "features": ("references",),
+    "drafts": ("fetch", "features"), "scores": ("drafts", "references"),
+}
+SLIDING_SEMANTICS = ("causal", "non_causal")
+
+
+class InputError(ValueError):
+    """Bad input to an evaluation: the message says what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    drafter: DrafterConfig
+    n_prompts: int
+
+
+def check_inputs(
+    target: str, drafter: str, prompts: str, max_new_tokens: int, dtype: str, device: str,
+    sliding_semantics: str, thinking: bool = False,
+) -> CheckedInputs:
+    """Read everything an evaluation needs, without writing anything: raises InputError on bad input."""
+    if dtype not in DTYPES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if sliding_semantics not in SLIDING_SEMANTICS:
+        raise InputError(f"--sliding-semantics must be one of {', '.join(SLIDING_SEMANTICS)}, got {sliding_semantics!r}")
+    if max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    try:
+        torch_device = torch.device(device)
+    except RuntimeError as e:
+        raise InputError(f"--device {device!r} is not a torch device ({e})") from None
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    if not Path(target).is_dir():
+        raise InputError(f"target {target} is not a directory: pass a Hugging Face model folder")
+    try:
+        target_config = read_target_config(target)
+    except (ValueError, OSError) as e:
+        raise InputError(f"target {target}: {e}") from None
+    drafter_dir = Path(drafter)
+    if not drafter_dir.is_dir():
+        raise InputError(f"drafter checkpoint {drafter} is not a directory: pass a folder with config.json and model.safetensors")
+    if not (drafter_dir / "model.safetensors").is_file() and not (drafter_dir / "model.safetensors.index.json").is_file():
+        raise InputError(f"drafter checkpoint {drafter} has no model.safetensors (or model.safetensors.index.json)")
+    try:
+        drafter_config = read_drafter_config(drafter_dir)
+        check_compatible(drafter_config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
+    except DrafterError as e:
+        raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
+    if not Path(prompts).is_file():
+        raise InputError(f"prompts file {prompts} does not exist: pass a JSONL file (one JSON object per line)")
+    try:
+        prompt_set = load_prompts(prompts, target, thinking)
+    except PromptError as e:
+        raise InputError(str(e)) from None
+    longest = max(len(p.input_ids) for p in prompt_set)
+    if target_config.max_positions is not None and longest + max_new_tokens > target_config.max_positions:
+        raise InputError(
+            f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds the target's "
+            f"{target_config.max_positions} positions; lower --max-new-tokens or shorten the prompts"
+        )
+    return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set))
+
+
+def stages_to_run(until: str) -> list[str]:
+    """`until` and every stage it depends on, in pipeline order."""
+    if until not in STAGES:
+        raise InputError(f"unknown stage {until!r}: one of {', '.join(STAGES)}")
+    needed, todo = set(), [until]
+    while todo:
+        stage = todo.pop()
+        if stage not in needed:
+            needed.add(stage)
+            todo.extend(DEPENDS_ON[stage])
+    return [s for s in STAGES if s in needed]
+
+
+def _run_name() -> str:
+    return f"evaluate {Path(str(flow_run.parameters.get('drafter', ''))).name}"
+
+
+@flow(name="evaluate-checkpoint", flow_run_name=_run_name, persist_result=False)
+def evaluate_checkpoint(
+    target: str,
+    drafter: str,
+    prompts: str,
+    max_new_tokens: int = 256,
+    store: str | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
+    sliding_semantics: str = "causal",
+    thinking: bool = False,
+    until: str = "scores",
+    refresh: list[str] | None = None,
+) -> dict:
+    """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
+
+    until: run only this stage and what it depends on. refresh: stages to recompute even if cached.
+    Returns the results record (also what `dflash-eval run --out` writes).
+    """
+    inputs = check_inputs(target, drafter, prompts, max_new_tokens, dtype, device, sliding_semantics, thinking)
+    refresh = set(refresh or ())
+    unknown = refresh - set(STAGES)
+    if unknown:
+        raise InputError(f"cannot refresh unknown stages {sorted(unknown)}: stages are {', '.join(STAGES)}")
+    run = stages_to_run(until)
+    root = str(Store(store).root.resolve())
+    states, outputs = {}, {}
+
+    def step(stage, task_fn, *args, **kwargs):
+        state = task_fn(*args, store_root=root, refresh=stage in refresh, return_state=True, **kwargs)
+        states[stage] = state
+        outputs[stage] = state.result()
+        return outputs[stage]
+
+    layer_ids = tuple(inputs.drafter.target_layer_ids)
+    if "fetch" in run:
+        checkpoint = step("fetch", fetch_checkpoint, drafter)
+        # the fetched copy is what gets drafted: take its layer ids (the source may have changed since)
+        layer_ids = tuple(read_drafter_config(checkpoint.path).target_layer_ids)
+    if "references" in run:
+        refs = step("references", generate_references, target, prompts, max_new_tokens, dtype=dtype, device=device,
+                    thinking=thinking)
+    if "features" in run:
+        features = step("features", extract_target_features, target, refs, layer_ids, dtype=dtype, device=device)
+    if "drafts" in run:
+        drafts = step("drafts", draft, checkpoint, features, refs, target,
+                      sliding_semantics=sliding_semantics, dtype=dtype, device=device)
+    if "scores" in run:
+        step("scores", score, drafts, refs)
+
+    results = read_json(outputs["scores"].path) if "scores" in run else {}
+    results.update({
+        "drafter": {"source": drafter, "key": outputs["fetch"].key if "fetch" in run else None,
+                    "step": training_step(drafter)},
+        "target": str(target),
+        "prompts": str(prompts),
+        "max_new_tokens": max_new_tokens,
+        "layer_ids": list(layer_ids),
+        "dtype": dtype,
+        "device": device,
+        "store": root,
+        "stages": {s: "cached" if st.name == "Cached" else "ran" for s, st in states.items()},
+        "keys": {s: out.key for s, out in outputs.items()},
+    })
+    return results

@@ -1,0 +1,87 @@
+"""Drafts stage: replay greedy speculative decoding of a drafter checkpoint over the cached features."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from prefect import task
+from prefect.cache_policies import NONE
+
+from dflash_core.drafter import check_compatible, load_drafter, read_drafter_config
+from dflash_core.replay import replay
+from dflash_core.token_head import load_token_head
+from storage import Store, key_of, write_json_atomic
+from storage.feature_store import FeatureStore
+
+from .features import FeatureSet
+from .fetch import Checkpoint
+from .progress import StageProgress
+from .references import ReferenceSet, load_references
+from .stage import cached, run_entry
+from .target import DTYPES
+
+STAGE = "drafts"
+# Bump when replay changes what it records (part of the key).
+REPLAY_VERSION = 1
+PROMPTS_PER_GROUP = 64
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """Decode steps of one drafter over one reference set, held in the store (drafts.json)."""
+
+    key: str
+    path: str
+    block_size: int
+    sliding_semantics: str
+
+
+@task(name="drafts", cache_policy=NONE, persist_result=False)
+def draft(
+    checkpoint: Checkpoint,
+    features: FeatureSet,
+    refs: ReferenceSet,
+    target_dir: str,
+    store_root: str,
+    sliding_semantics: str = "causal",
+    dtype: str = "float32",
+    device: str = "cpu",
+    refresh: bool = False,
+):
+    """Acceptance lengths per prompt, in decode order (drafted against the references, no target run)."""
+    store = Store(store_root)
+    config = read_drafter_config(checkpoint.path)  # the key needs only the config, not the weights
+    key = key_of({
+        "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
+        "block_size": config.block_size, "sliding_semantics": sliding_semantics, "mode": "decode",
+        "dtype": dtype, "device": torch.device(device).type, "replay": REPLAY_VERSION,
+    })
+
+    def compute(entry: Path) -> dict:
+        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=sliding_semantics)
+        head = load_token_head(target_dir, dtype=DTYPES[dtype])
+        check_compatible(drafter, head.embed_weight.shape[1], head.embed_weight.shape[0])
+        embed, lm_head = head.embed_weight.to(device), head.head_weight.to(device)
+        items = load_references(refs)
+        feature_store = FeatureStore.in_entry(features.path)
+        results = []
+        # Groups of prompts: only one group's features are in memory (a large target's are ~100 MB
+        # per prompt), and a group still fills replay's batches of 64 blocks.
+        with StageProgress(STAGE, "prompts drafted", len(items)) as progress:
+            for start in range(0, len(items), PROMPTS_PER_GROUP):
+                group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
+                feats = [feature_store.read(drafter.target_layer_ids, n).to(device) for n in group]
+                results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats)
+                progress.update(len(results))
+        write_json_atomic(entry / "drafts.json", {"per_prompt": [
+            {"id": i.id, "starts": r.starts, "acceptance_lengths": r.acceptance_lengths,
+             "rejected_drafts": r.rejected_drafts}
+            for i, r in zip(items, results)
+        ]})
+        return {"checkpoint": checkpoint.key, "features": features.key, "block_size": drafter.block_size,
+                "sliding_semantics": sliding_semantics, "layer_ids": list(drafter.target_layer_ids)}
+
+    record, computed = run_entry(store, STAGE, key, compute, refresh)
+    drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record["block_size"],
+                    sliding_semantics=record["sliding_semantics"])
+    return drafts if computed else cached(drafts)

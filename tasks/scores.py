@@ -1,0 +1,51 @@
+"""Scores stage: tau (macro and pooled), the histogram and per-prompt acceptance lengths."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from dflash_core.metrics import PromptScore, summarize
+from storage import Store, key_of, read_json, write_json_atomic
+
+from .drafts import Drafts
+from .references import ReferenceSet, load_references
+from .stage import cached, run_entry
+
+STAGE = "scores"
+# Bump when the metrics change (part of the key).
+SCORES_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Scores:
+    """A checkpoint's scores, held in the store (scores.json)."""
+
+    key: str
+    path: str  # scores.json
+    tau_macro: float
+    tau_pooled: float
+
+
+@task(name="scores", cache_policy=NONE, persist_result=False)
+def score(drafts: Drafts, refs: ReferenceSet, store_root: str, refresh: bool = False):
+    """Summarize the drafts stage's acceptance lengths (see dflash_core.metrics)."""
+    store = Store(store_root)
+    key = key_of({"drafts": drafts.key, "scores": SCORES_VERSION})
+
+    def compute(entry: Path) -> dict:
+        per_prompt = read_json(Path(drafts.path) / "drafts.json")["per_prompt"]
+        prompts = [
+            PromptScore(item.id, item.category, d["acceptance_lengths"], d["starts"], len(item.reference.token_ids))
+            for item, d in zip(load_references(refs), per_prompt)
+        ]
+        summary = summarize(prompts, drafts.block_size)
+        summary["sliding_semantics"] = drafts.sliding_semantics
+        write_json_atomic(entry / "scores.json", summary, indent=1)
+        return {"tau_macro": summary["tau_macro"], "tau_pooled": summary["tau_pooled"], "drafts": drafts.key}
+
+    record, computed = run_entry(store, STAGE, key, compute, refresh)
+    scores = Scores(key=key, path=str(store.entry(STAGE, key) / "scores.json"),
+                    tau_macro=record["tau_macro"], tau_pooled=record["tau_pooled"])
+    return scores if computed else cached(scores)

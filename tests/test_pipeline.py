@@ -1,0 +1,298 @@
+"""The Prefect pipeline end to end on the tiny trained run: caching that agrees with the store,
+resumption after SIGKILL, concurrent runs on one store, and the command line.
+
+Flows run in-process against the session's Prefect test server; command-line runs are real
+`dflash-eval` processes reporting to the same server.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_core.decoding import speculative_decode
+from dflash_core.drafter import load_drafter
+from dflash_core.target import load_target
+
+pytestmark = pytest.mark.slow
+
+N_PROMPTS = 10
+MAX_NEW = 64
+STAGES = ("fetch", "references", "features", "drafts", "scores")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_run, tmp_path_factory):
+    """The tiny run, with a smaller prompt file (the first N_PROMPTS held-out prompts)."""
+    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    prompts.write_text("".join(tiny_qwen3_run.prompts_file.read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    tiny_qwen3_run.prompts = prompts
+    return tiny_qwen3_run
+
+
+def arguments(tiny, store, step=-1):
+    return dict(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[step]), prompts=str(tiny.prompts),
+                max_new_tokens=MAX_NEW, store=str(store))
+
+
+def evaluate(tiny, store, step=-1, **kwargs):
+    from flows.evaluate import evaluate_checkpoint
+
+    state = evaluate_checkpoint(**arguments(tiny, store, step), **kwargs, return_state=True)
+    return state.result(), state.state_details.flow_run_id
+
+
+def cli(tiny, store, *extra, step=-1, api_url, runner=("-m", "flows.cli"), **popen):
+    args = arguments(tiny, store, step)
+    command = [sys.executable, *runner, *extra, "--target", args["target"], "--drafter", args["drafter"],
+               "--prompts", args["prompts"], "--max-new-tokens", str(MAX_NEW), "--store", args["store"]]
+    env = {**os.environ, "PREFECT_API_URL": api_url}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def files_of(directory: Path) -> dict[str, tuple[str, int]]:
+    """relative path -> (sha256, mtime_ns) of every file under directory (lock files aside)."""
+    return {
+        str(p.relative_to(directory)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
+        for p in sorted(directory.rglob("*")) if p.is_file() and not p.name.endswith(".lock")
+    }
+
+
+def task_states(flow_run_id) -> dict[str, str]:
+    """task name -> state name of a flow run, read back through Prefect's API."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0]: run.state.name for run in runs}  # run names are "<task>-<3 hex>"
+
+
+def entry_dir(store: Path, stage: str) -> Path:
+    """The one entry folder of `stage` in the store (beside it lie lock files)."""
+    (entry,) = [p for p in store.glob(f"{stage}/*/*") if p.is_dir()]
+    return entry
+
+
+def zarr_array_markers(store: Path) -> dict[str, int]:
+    """features.zarr/layer_i/seq_n -> mtime_ns of its zarr.json (rewritten whenever the array is)."""
+    zarr_root = entry_dir(store, "features") / "features.zarr"
+    return {str(p.parent.relative_to(zarr_root)): p.stat().st_mtime_ns for p in zarr_root.glob("layer_*/seq_*/zarr.json")}
+
+
+def test_new_checkpoint_runs_only_fetch_drafts_and_scores(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    first, _ = evaluate(tiny, store, step=0)
+    assert first["stages"] == dict.fromkeys(STAGES, "ran")
+    references, features = files_of(store / "references"), files_of(store / "features")
+
+    second, flow_run_id = evaluate(tiny, store, step=-1)
+    assert second["stages"] == {"fetch": "ran", "references": "cached", "features": "cached", "drafts": "ran", "scores": "ran"}
+    # Prefect shows the store's hits as Cached
+    states = task_states(flow_run_id)
+    assert states == {"fetch": "Completed", "references": "Cached", "features": "Cached", "drafts": "Completed",
+                      "scores": "Completed"}
+    # the same references and features, not even rewritten
+    assert files_of(store / "references") == references and files_of(store / "features") == features
+    assert second["keys"]["references"] == first["keys"]["references"]
+    assert second["keys"]["features"] == first["keys"]["features"]
+
+    # results: what the issue asks for, and tau rising with training
+    for field in ("tau_macro", "tau_pooled", "block_size", "histogram", "clipped_last_steps", "clipping_note"):
+        assert field in second
+    assert second["drafter"]["key"] == second["keys"]["fetch"] != first["drafter"]["key"]
+    assert second["drafter"]["step"] == tiny.record["steps"][-1]
+    assert second["tau_macro"] > first["tau_macro"] + 0.3
+    assert sum(int(k) * n for k, n in second["histogram"].items()) == second["n_tokens"]
+
+    # the acceptance lengths are those of real speculative decoding with the target in the loop
+    target = load_target(tiny.target_dir, dtype=torch.float32)
+    drafter = load_drafter(tiny.drafter_steps[-1])
+    eos = json.loads((tiny.target_dir / "config.json").read_text())["eos_token_id"]
+    prompts = [json.loads(line) for line in tiny.prompts.read_text().splitlines()]
+    for prompt, scored in zip(prompts[:5], second["per_prompt"]):
+        online = speculative_decode(target, drafter, prompt["input_ids"], MAX_NEW, [eos])
+        assert scored["id"] == prompt["id"]
+        assert scored["acceptance_lengths"] == online.acceptance_lengths
+
+    # the same checkpoint again: nothing runs, the same results
+    third, _ = evaluate(tiny, store, step=-1)
+    assert third["stages"] == dict.fromkeys(STAGES, "cached")
+    assert {k: v for k, v in third.items() if k != "stages"} == {k: v for k, v in second.items() if k != "stages"}
+
+
+def test_deleted_features_rerun_only_what_is_missing(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    before, _ = evaluate(tiny, store)
+    features_entry = entry_dir(store, "features")
+    arrays = zarr_array_markers(store)
+    bytes_before = files_of(features_entry / "features.zarr")
+
+    # one sequence of one layer: only that array is written again, and drafts stay valid (same key)
+    shutil.rmtree(features_entry / "features.zarr" / "layer_2" / "seq_3")
+    again, _ = evaluate(tiny, store)
+    assert again["stages"] == {"fetch": "cached", "references": "cached", "features": "ran", "drafts": "cached",
+                               "scores": "cached"}
+    after = zarr_array_markers(store)
+    assert {name for name in arrays if after[name] != arrays[name]} == {"layer_2/seq_3"}
+    assert {k: v[0] for k, v in files_of(features_entry / "features.zarr").items()} == \
+        {k: v[0] for k, v in bytes_before.items()}
+
+    # the whole entry: extracted again, bit for bit the same
+    shutil.rmtree(features_entry)
+    again, _ = evaluate(tiny, store)
+    assert again["stages"]["features"] == "ran" and again["stages"]["drafts"] == "cached"
+    assert {k: v[0] for k, v in files_of(features_entry / "features.zarr").items()} == \
+        {k: v[0] for k, v in bytes_before.items()}
+
+    # a deleted drafts entry reruns drafts (and nothing upstream)
+    shutil.rmtree(entry_dir(store, "drafts"))
+    again, _ = evaluate(tiny, store)
+    assert [s for s, status in again["stages"].items() if status == "ran"] == ["drafts"]
+    assert again["per_prompt"] == before["per_prompt"]
+
+
+def test_killed_extraction_resumes_without_redoing_finished_sequences(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    killed = cli(tiny, store, "run", runner=("-m", "tests.killed_run", "5"), api_url=prefect_api_url)
+    output, _ = killed.communicate(timeout=300)
+    assert killed.returncode == -9, output
+    features_entry = entry_dir(store, "features")
+    assert not (features_entry / "entry.json").exists()  # nothing reads as complete
+    finished = zarr_array_markers(store)
+    complete = {name for name in finished
+                if json.loads((features_entry / "features.zarr" / name / "zarr.json").read_text())["attributes"]["complete"]}
+    assert len(complete) == 5
+
+    resumed = cli(tiny, store, "run", "--out", str(tmp_path / "resumed.json"), api_url=prefect_api_url)
+    output, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, output
+    results = json.loads((tmp_path / "resumed.json").read_text())
+    assert results["stages"]["references"] == "cached" and results["stages"]["features"] == "ran"
+    after = zarr_array_markers(store)
+    assert all(after[name] == finished[name] for name in complete)  # not recomputed
+    assert len(after) == 2 * N_PROMPTS
+
+    # identical to an uninterrupted run
+    clean, _ = evaluate(tiny, tmp_path / "clean")
+    clean_entry = entry_dir(tmp_path / "clean", "features")
+    assert {k: v[0] for k, v in files_of(features_entry / "features.zarr").items()} == \
+        {k: v[0] for k, v in files_of(clean_entry / "features.zarr").items()}
+    assert results["per_prompt"] == clean["per_prompt"]
+
+
+def test_two_concurrent_runs_share_one_store(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    runs = [cli(tiny, store, "run", "--out", str(tmp_path / f"run{i}.json"), api_url=prefect_api_url) for i in (0, 1)]
+    outputs = [run.communicate(timeout=400)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs
+    a, b = (json.loads((tmp_path / f"run{i}.json").read_text()) for i in (0, 1))
+    assert a["per_prompt"] == b["per_prompt"] and a["keys"] == b["keys"]
+    for stage in STAGES:  # each shared stage computed by exactly one of them
+        assert sorted([a["stages"][stage], b["stages"][stage]]) == ["cached", "ran"], stage
+    for stage in STAGES:
+        assert len(list(store.glob(f"{stage}/*/*/entry.json"))) == 1
+
+
+def test_command_line_run_and_stage(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    process = cli(tiny, store, "run", "--out", str(tmp_path / "results.json"), runner=("-m", "flows.cli"),
+                  api_url=prefect_api_url)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert f"tau macro {results['tau_macro']:.3f}" in output
+    assert results["block_size"] == 8 and len(results["per_prompt"]) == N_PROMPTS
+    assert all(p["id"] and p["acceptance_lengths"] for p in results["per_prompt"])
+
+    process = cli(tiny, store, "stage", "features", "--refresh", "--out", str(tmp_path / "stage.json"),
+                  api_url=prefect_api_url)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    stage = json.loads((tmp_path / "stage.json").read_text())
+    assert stage["stages"] == {"references": "cached", "features": "ran"}
+    assert stage["keys"]["features"] == results["keys"]["features"]
+
+
+def test_demo_prints_tau_per_saved_step(tiny_qwen3_run, tmp_path, prefect_api_url):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    taus = [json.loads((tmp_path / "out" / f"{p.name}.json").read_text())["tau_macro"] for p in tiny_qwen3_run.drafter_steps]
+    assert taus == sorted(taus) and taus[-1] >= 2.5
+    for path, tau in zip(tiny_qwen3_run.drafter_steps, taus):
+        assert f"{path.name:<10}  {tau:9.3f}" in result.output
+
+
+def _drafter_with(tmp_path, tiny, **config_changes):
+    """A copy of the final drafter checkpoint with config.json fields replaced."""
+    directory = tmp_path / "drafter"
+    shutil.copytree(tiny.drafter_steps[-1], directory)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(config_changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _config_only(tmp_path, tiny):
+    directory = tmp_path / "config_only"
+    directory.mkdir()
+    shutil.copy(tiny.drafter_steps[-1] / "config.json", directory)
+    return directory
+
+
+def _bad_prompts(tmp_path, tiny, bad_line):
+    lines = tiny.prompts.read_text().splitlines()
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([lines[0], bad_line, *lines[1:]]) + "\n")
+    return path
+
+
+BAD_INPUTS = {
+    # name: (function(tmp_path, tiny) -> {option: value}, what the message must say)
+    "missing target": (lambda t, tiny: {"--target": str(t / "nowhere")}, "nowhere is not a directory"),
+    "target without config": (lambda t, tiny: {"--target": str(t)}, "no config.json"),
+    "missing drafter": (lambda t, tiny: {"--drafter": str(t / "nowhere")}, "nowhere is not a directory"),
+    "drafter without weights": (lambda t, tiny: {"--drafter": str(_config_only(t, tiny))}, "has no model.safetensors"),
+    "drafter for another hidden size": (
+        lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, hidden_size=128))},
+        "hidden_size 128 != target hidden_size"),
+    "drafter layer ids past the target": (
+        lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, dflash_config={"target_layer_ids": [1, 9],
+                                                                                "mask_token_id": 3}))},
+        "include [9], but the target has only 4 layers"),
+    "missing prompts": (lambda t, tiny: {"--prompts": str(t / "none.jsonl")}, "none.jsonl does not exist"),
+    "prompts line not JSON": (lambda t, tiny: {"--prompts": str(_bad_prompts(t, tiny, '{"id": "x", "text": '))},
+                              "bad.jsonl:2"),
+    "prompt id out of vocabulary": (
+        lambda t, tiny: {"--prompts": str(_bad_prompts(t, tiny, '{"id": "x", "input_ids": [5, 100000]}'))},
+        "bad.jsonl:2"),
+    "too many new tokens": (lambda t, tiny: {"--max-new-tokens": "100000"}, "exceeds the target's"),
+    "unknown dtype": (lambda t, tiny: {"--dtype": "float16"}, "--dtype must be one of float32, bfloat16"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case, tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    make_options, message = BAD_INPUTS[case]
+    (tmp_path / "work").mkdir()
+    options = {"--target": str(tiny.target_dir), "--drafter": str(tiny.drafter_steps[-1]),
+               "--prompts": str(tiny.prompts), "--store": str(tmp_path / "store"),
+               **make_options(tmp_path / "work", tiny)}
+    result = CliRunner().invoke(app, ["run", *[x for pair in options.items() for x in pair]])
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: ") and message in result.output, result.output
+    assert not (tmp_path / "store").exists()
