@@ -30,7 +30,9 @@ array without its marker. Rewriting an array clears the marker first.
 """
 
 import hashlib
+import json
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,10 @@ MARKER_FORMAT = 1
 # Big chunks read fastest (notes/zarr.md: one chunk per sequence and layer); the cap only keeps
 # a single chunk of a very long sequence of a very wide model (32k x 8192 bf16 = 512 MiB) bounded.
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
+
+# The metadata `write` produces for its chunks: read directly by `_read_chunks`.
+_PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
+_DEFAULT_CHUNK_KEYS = {"name": "default", "configuration": {"separator": "/"}}
 
 _STORED_DTYPE = {"bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32)}
 
@@ -203,31 +209,73 @@ class FeatureStore:
 
     # ------------------------------------------------------------ reading
 
-    def _open_complete(self, layer_id: int, seq_index: int) -> tuple[zarr.Array, dict[str, Any]]:
-        """The array and its marker; FeatureMissing unless the marker says complete and matches."""
+    def _read_marker(self, layer_id: int, seq_index: int) -> tuple[dict[str, Any], dict[str, Any], tuple]:
+        """(array metadata, marker, identity of its zarr.json); FeatureMissing unless complete.
+
+        Reads the array's zarr.json directly (a tenth of the time zarr.open_array takes): `missing`
+        checks every (layer, sequence) of an entry on every run. The identity (inode, mtime) changes
+        whenever the metadata is rewritten, which every writer does before touching chunks.
+        """
         path = _array_path(layer_id, seq_index)
         try:
-            array = zarr.open_array(self._zarr_store, path=path, mode="r")
-        except FileNotFoundError:  # zarr's NodeNotFoundError, or no features.zarr directory at all
+            with open(self.path / path / "zarr.json", "rb") as f:
+                stat = os.fstat(f.fileno())
+                metadata = json.loads(f.read())
+        except (FileNotFoundError, NotADirectoryError):
             raise FeatureMissing(layer_id, seq_index, f"absent (no array {path} in {self.path})") from None
-        marker = dict(array.attrs)
-        if marker.get("complete") is not True:
+        except ValueError as e:
+            raise FeatureMissing(layer_id, seq_index, f"unreadable metadata ({e})") from None
+        if not isinstance(metadata, dict):
+            raise FeatureMissing(layer_id, seq_index, "unreadable metadata (not a JSON object)")
+        marker = metadata.get("attributes") or {}
+        if metadata.get("node_type") != "array" or marker.get("complete") is not True:
             raise FeatureMissing(
                 layer_id,
                 seq_index,
                 "incomplete: no completion marker (its writer stopped before finishing, or is still writing)",
             )
         tag = marker.get("dtype")
-        if tag not in _STORED_DTYPE or array.dtype != _STORED_DTYPE[tag] or marker.get("shape") != list(array.shape):
+        if (
+            tag not in _STORED_DTYPE
+            or metadata.get("data_type") != _STORED_DTYPE[tag].name
+            or marker.get("shape") != metadata.get("shape")
+        ):
             raise FeatureMissing(
-                layer_id, seq_index, f"inconsistent marker {marker} for a {array.dtype} array of shape {array.shape}"
+                layer_id, seq_index, f"inconsistent marker {marker} for a {metadata.get('data_type')} array "
+                f"of shape {metadata.get('shape')}"
             )
-        return array, marker
+        return metadata, marker, (stat.st_ino, stat.st_mtime_ns)
+
+    def _read_chunks(self, layer_id: int, seq_index: int, metadata: dict[str, Any]) -> np.ndarray:
+        """The array's values, read from its chunk files straight into the result when the layout
+        is the one `write` produces (uncompressed little-endian row chunks): 4-5x faster than zarr's
+        codec pipeline. Any other layout is read through zarr."""
+        path = _array_path(layer_id, seq_index)
+        shape, dtype = metadata["shape"], np.dtype(metadata["data_type"])
+        chunk_rows, chunk_width = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+        if not (
+            sys.byteorder == "little"
+            and metadata.get("codecs") == _PLAIN_CODECS
+            and metadata.get("chunk_key_encoding") == _DEFAULT_CHUNK_KEYS
+            and chunk_width == shape[1]
+        ):
+            return zarr.open_array(self._zarr_store, path=path, mode="r")[...]
+        out = np.empty(shape, dtype=dtype)
+        for i, first in enumerate(range(0, shape[0], chunk_rows)):
+            rows = memoryview(out[first : first + chunk_rows]).cast("B")
+            try:
+                with open(self.path / path / "c" / str(i) / "0", "rb") as f:
+                    n_read = f.readinto(rows)
+            except FileNotFoundError:
+                n_read = 0
+            if n_read != len(rows):  # never hand out zeros for missing data
+                raise FeatureMissing(layer_id, seq_index, f"chunk {i} is missing or short ({n_read} of {len(rows)} bytes)")
+        return out
 
     def has(self, layer_id: int, seq_index: int) -> bool:
         """Whether (layer, sequence) is stored completely (marker present; bytes not re-hashed)."""
         try:
-            self._open_complete(layer_id, seq_index)
+            self._read_marker(layer_id, seq_index)
         except FeatureMissing:
             return False
         return True
@@ -247,14 +295,13 @@ class FeatureStore:
         incomplete, changed while being read, or (with `verify`) its bytes do not match
         the marker's sha256. Never returns fill values for missing data.
         """
-        array, marker = self._open_complete(layer_id, seq_index)
-        stored = array[...]
+        metadata, marker, identity = self._read_marker(layer_id, seq_index)
+        stored = self._read_chunks(layer_id, seq_index, metadata)
         if verify and _sha256_of(np.ascontiguousarray(stored)) != marker["sha256"]:
             raise FeatureMissing(layer_id, seq_index, "corrupt: stored bytes do not match the marker's sha256")
-        # A concurrent rewrite clears the marker before touching chunks; if the marker is not the
-        # one we started with, what we read may mix two versions.
-        _, marker_after = self._open_complete(layer_id, seq_index)
-        if marker_after != marker:
+        # A concurrent rewrite replaces the metadata (clearing the marker) before touching chunks;
+        # if it is not the file we started with, what we read may mix two versions.
+        if self._read_marker(layer_id, seq_index)[2] != identity:
             raise FeatureMissing(layer_id, seq_index, "rewritten by another process while being read")
         return _from_stored(stored, marker["dtype"])
 

@@ -130,6 +130,28 @@ def test_chunks_without_marker_read_as_incomplete_never_as_zeros(tmp_path):
     _assert_bit_exact(store.read_layer(2, 1), hidden_for(2, 1, 30, 4))
 
 
+def test_multi_chunk_arrays_read_back_and_a_lost_chunk_is_an_error_not_zeros(tmp_path):
+    store = FeatureStore(tmp_path / FEATURES_DIRNAME, max_chunk_bytes=1000)
+    hidden = hidden_for(0, 0, 97, 16)  # 32 B rows: 4 chunks of 25 rows, the last one padded
+    store.write(0, 0, hidden)
+    _assert_bit_exact(store.read_layer(0, 0), hidden)
+    # a chunk file lost after completion (a disk error, a careless cleanup): zarr would read zeros
+    (tmp_path / FEATURES_DIRNAME / "layer_0" / "seq_0" / "c" / "2" / "0").unlink()
+    with pytest.raises(FeatureMissing, match="layer 0, sequence 0: chunk 2 is missing"):
+        store.read_layer(0, 0)
+
+
+def test_arrays_in_other_zarr_layouts_are_read_through_zarr(tmp_path):
+    # e.g. compressed by another tool: not the layout `write` produces, still a complete array
+    hidden = hidden_for(1, 0, 40, 8)
+    group = zarr.open_group(tmp_path / FEATURES_DIRNAME, mode="w").create_group("layer_1")
+    array = group.create_array("seq_0", shape=(40, 8), chunks=(16, 8), dtype="uint16", fill_value=0,
+                               compressors=zarr.codecs.BloscCodec(cname="lz4"))
+    array[...] = hidden.view(torch.int16).numpy().view(np.uint16)
+    array.update_attributes({"complete": True, "format": 1, "dtype": "bfloat16", "shape": [40, 8]})
+    _assert_bit_exact(FeatureStore(tmp_path / FEATURES_DIRNAME).read_layer(1, 0), hidden)
+
+
 def test_rewrite_replaces_shape_and_verify_catches_corruption(tmp_path):
     store = FeatureStore(tmp_path / FEATURES_DIRNAME)
     store.write(0, 0, hidden_for(0, 0, 40, 4))

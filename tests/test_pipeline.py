@@ -127,6 +127,38 @@ def test_new_checkpoint_runs_only_fetch_drafts_and_scores(tiny, tmp_path, prefec
     assert {k: v for k, v in third.items() if k != "stages"} == {k: v for k, v in second.items() if k != "stages"}
 
 
+def test_progress_of_long_stages_is_published_to_prefect(tiny, tmp_path, prefect_api_url):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    _, flow_run_id = evaluate(tiny, tmp_path / "store")
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    progress = {a.key: a.data for a in artifacts if a.type == "progress"}
+    assert progress == {"references-progress": 100.0, "features-progress": 100.0, "drafts-progress": 100.0}
+
+
+def test_other_layer_ids_extract_only_the_layers_not_held(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    first, _ = evaluate(tiny, store)
+    held = zarr_array_markers(store)
+    assert {name.split("/")[0] for name in held} == {"layer_1", "layer_2"}
+    mask = json.loads((tiny.drafter_steps[-1] / "config.json").read_text())["dflash_config"]["mask_token_id"]
+    other = _drafter_with(tmp_path, tiny, dflash_config={"target_layer_ids": [2, 3], "mask_token_id": mask})
+
+    from flows.evaluate import evaluate_checkpoint
+
+    results = evaluate_checkpoint(**{**arguments(tiny, store), "drafter": str(other)})
+    assert results["layer_ids"] == [2, 3] and results["stages"]["features"] == "ran"
+    assert results["keys"]["features"] == first["keys"]["features"]  # one entry holds every layer
+    after = zarr_array_markers(store)
+    assert {name for name in after if name not in held} == {f"layer_3/seq_{n}" for n in range(N_PROMPTS)}
+    assert all(after[name] == mtime for name, mtime in held.items())  # layers 1 and 2 untouched
+    record = json.loads((entry_dir(store, "features") / "entry.json").read_text())["record"]
+    assert record["layer_ids"] == [1, 2, 3]
+
+
 def test_deleted_features_rerun_only_what_is_missing(tiny, tmp_path, prefect_api_url):
     store = tmp_path / "store"
     before, _ = evaluate(tiny, store)
