@@ -18,7 +18,7 @@ import torch
 
 from dflash_core.decoding import speculative_decode
 from dflash_core.drafter import load_drafter
-from dflash_core.target import load_target
+from dflash_core.target import load_target, read_target_config
 
 pytestmark = pytest.mark.slow
 
@@ -115,6 +115,7 @@ def test_new_checkpoint_runs_only_fetch_drafts_and_scores(tiny, tmp_path, prefec
     target = load_target(tiny.target_dir, dtype=torch.float32)
     drafter = load_drafter(tiny.drafter_steps[-1])
     eos = json.loads((tiny.target_dir / "config.json").read_text())["eos_token_id"]
+    assert read_target_config(tiny.target_dir).eos_token_ids == (eos,)  # the references' stop token
     prompts = [json.loads(line) for line in tiny.prompts.read_text().splitlines()]
     for prompt, scored in zip(prompts[:5], second["per_prompt"]):
         online = speculative_decode(target, drafter, prompt["input_ids"], MAX_NEW, [eos])

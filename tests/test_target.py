@@ -317,3 +317,17 @@ def test_sequence_longer_than_context(targets):
 def test_input_ids_must_be_2d(targets):
     with pytest.raises(ValueError, match=r"input_ids must be \[N, T\]"):
         targets["qwen3"][0].forward(torch.tensor([1, 2, 3]))
+
+
+def test_read_target_config_matches_the_loaded_model_without_loading_it(qwen3_dir, qwen3_5_dirs):
+    from dflash_core.target import read_target_config
+
+    for path in (qwen3_dir, *qwen3_5_dirs):  # text-only, and a VLM whose text config is nested
+        config = read_target_config(path)
+        target = load_target(path, dtype=torch.float32)
+        assert (config.hidden_size, config.vocab_size, config.num_layers, config.max_positions) == \
+            (target.hidden_size, target.vocab_size, target.num_layers, target.max_positions)
+        eos = target.model.generation_config.eos_token_id
+        assert config.eos_token_ids == (() if eos is None else tuple(eos if isinstance(eos, list) else [eos]))
+    with pytest.raises(ValueError, match="no config.json"):
+        read_target_config(qwen3_dir.parent)
