@@ -25,16 +25,17 @@ class PromptScore:
     category: str | None
     acceptance_lengths: list[int]
     starts: list[int]
-    reference_len: int  # prompt + completion tokens
+    reference_len: int  # prompt + completion (+ lookahead) tokens
 
     @property
     def tau(self) -> float:
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
 
-    @property
-    def last_step_clipped(self) -> bool:
-        """Whether the last step accepted every token the reference still had (and could have gone on)."""
-        return self.acceptance_lengths[-1] == self.reference_len - 1 - self.starts[-1]
+    def last_step_clipped(self, block_size: int) -> bool:
+        """Whether the last step accepted every token the reference still had, fewer than a block
+        (with more reference tokens it might have been longer)."""
+        available = self.reference_len - 1 - self.starts[-1]
+        return self.acceptance_lengths[-1] == available < block_size
 
 
 def tau_macro(prompts: Sequence[PromptScore]) -> float:
@@ -56,11 +57,22 @@ def histogram(prompts: Sequence[PromptScore], block_size: int) -> list[int]:
     return counts
 
 
-def summarize(prompts: Sequence[PromptScore], block_size: int) -> dict:
+CLIPPING_NOTE = (
+    "Each reference ends where the target stopped, so a prompt's last step is scored against the tokens the "
+    "reference holds (clipped); online decoding stops at the same place."
+)
+LOOKAHEAD_NOTE = (
+    "Each reference holds B-1 greedy tokens past where the target stopped (lookahead), so every step, the "
+    "last one included, is scored against a whole block; a last step may count tokens past the stop."
+)
+
+
+def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool = False) -> dict:
     """The scores record: tau (macro, pooled), histogram, clipped steps and per-prompt detail (JSON-able).
 
     Prompts without any decode step (the target stopped right after the prompt) have no acceptance
     length; they are listed in `per_prompt` with tau None and left out of every aggregate.
+    lookahead: whether the references hold lookahead tokens (only recorded and explained here).
     """
     scored = [p for p in prompts if p.acceptance_lengths]
     if not scored:
@@ -74,18 +86,16 @@ def summarize(prompts: Sequence[PromptScore], block_size: int) -> dict:
         "n_scored_prompts": len(scored),
         "n_steps": sum(len(p.acceptance_lengths) for p in scored),
         "n_tokens": sum(sum(p.acceptance_lengths) for p in scored),
-        "clipped_last_steps": sum(p.last_step_clipped for p in scored),
-        "clipping_note": (
-            "Each reference ends where the target stopped, so a prompt's last step is scored against the "
-            "tokens the reference holds (clipped); online decoding stops at the same place."
-        ),
+        "clipped_last_steps": sum(p.last_step_clipped(block_size) for p in scored),
+        "lookahead": lookahead,
+        "clipping_note": LOOKAHEAD_NOTE if lookahead else CLIPPING_NOTE,
         "per_prompt": [
             {
                 "id": p.id,
                 "category": p.category,
                 "tau": p.tau if p.acceptance_lengths else None,
                 "acceptance_lengths": p.acceptance_lengths,
-                "last_step_clipped": p.last_step_clipped if p.acceptance_lengths else False,
+                "last_step_clipped": p.last_step_clipped(block_size) if p.acceptance_lengths else False,
             }
             for p in prompts
         ],

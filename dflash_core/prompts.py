@@ -14,21 +14,39 @@ string, or an int that becomes a string; unique in the file), an optional
 - `messages` is rendered with the target's chat template, with the generation
   prompt added (`add_generation_prompt=True`) and `enable_thinking` passed to the
   template (Qwen3-style templates read it; others ignore it).
-- `turns` is z-lab's format: the user turns of a conversation. One turn is the
-  same as `messages` with one user message. Several turns would need the target's
-  own answers between them and are not supported yet.
+- `turns` is z-lab's format: the user turns of a conversation, a list of strings.
+  One turn is the same as `messages` with one user message.
 - `input_ids` are used as they are.
 
 Other fields are ignored. Every problem raises `PromptError` naming the file,
 the 1-based line and the field.
+
+Multi-turn conversations (`turns` with several strings, e.g.
+`{"id": "mt-1", "turns": ["Write a limerick.", "Now make it about cats."]}`) are
+ONE `Prompt`: its `input_ids` are the first turn's prompt (the chat template over
+[user turn 1], exactly as a single turn) and its `turns` field holds all the user
+turns. Later turns need the target's own answers to the earlier ones, which only
+exist once the target has answered: `turn_prompt_ids(tokenizer, prompt, answers)`
+gives the prompt for turn k = len(answers) + 1, the chat template over
+[user 1, assistant answers[0], user 2, ..., user k] with the generation prompt
+added. The answers are the target's decoded reference answers (greedy, special
+tokens skipped) to turns 1 .. k-1. Single-turn prompts (and `text`, `messages`,
+`input_ids` prompts) have `turns == ()`.
+
+Prompt suites ship with the package in `dflash_core/prompt_suites/` (`PROMPT_SUITES`:
+math, code, chat, multiturn); `resolve_prompts(name_or_path)` turns a suite name or a
+path into the JSONL file to read.
 """
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 PROMPT_FIELDS = ("text", "messages", "turns", "input_ids")
+
+SUITES_DIR = Path(__file__).resolve().parent / "prompt_suites"
+PROMPT_SUITES = ("math", "code", "chat", "multiturn")
 
 
 class PromptError(ValueError):
@@ -44,6 +62,9 @@ class Prompt:
     category: str | None
     line: int  # 1-based line in the file
     source: str  # the field the prompt came from: "text", "messages", "turns" or "input_ids"
+    # All the user turns of a multi-turn prompt (input_ids is the first turn's prompt);
+    # empty for single-turn prompts and for text/messages/input_ids prompts.
+    turns: tuple[str, ...] = ()
 
 
 def _type_name(value) -> str:
@@ -124,7 +145,7 @@ def _validate_messages(messages, at: _Line) -> list[dict]:
     return [dict(message) for message in messages]
 
 
-def _turns_to_messages(turns, at: _Line) -> list[dict]:
+def _read_turns(turns, at: _Line) -> list[str]:
     if not isinstance(turns, list):
         raise at.error(f"must be a list of strings (the user turns), got {_type_name(turns)}", "turns")
     if not turns:
@@ -132,30 +153,40 @@ def _turns_to_messages(turns, at: _Line) -> list[dict]:
     for i, turn in enumerate(turns):
         if not isinstance(turn, str):
             raise at.error(f"turn {i} must be a string, got {_type_name(turn)}", "turns")
-    if len(turns) > 1:
-        raise at.error(
-            f"has {len(turns)} turns; multi-turn prompts need the target's own answers between turns and are "
-            "not supported yet; use one turn per line (or `messages` with the answers written in)",
-            "turns",
-        )
-    return [{"role": "user", "content": turns[0]}]
+    return turns
+
+
+def _conversation(turns: Sequence[str], answers: Sequence[str]) -> list[dict]:
+    """[user turns[0], assistant answers[0], user turns[1], ...] ending with user turn len(answers) + 1."""
+    messages = [{"role": "user", "content": turns[0]}]
+    for answer, turn in zip(answers, turns[1:]):
+        messages.append({"role": "assistant", "content": answer})
+        messages.append({"role": "user", "content": turn})
+    return messages
+
+
+_NO_CHAT_TEMPLATE = (
+    "the target's tokenizer has no chat template; write the prompt as `text` (the exact string, "
+    "template included) or as `input_ids` instead"
+)
+
+
+def _chat_template_ids(tokenizer, messages: list[dict], thinking: bool) -> list[int]:
+    result = tokenizer.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=True, enable_thinking=thinking
+    )
+    # transformers 5 returns a BatchEncoding (a mapping); older versions a list of ids.
+    ids = result["input_ids"] if isinstance(result, Mapping) else result
+    return [int(token) for token in ids]
 
 
 def _apply_chat_template(tokenizer, messages: list[dict], thinking: bool, field: str, at: _Line) -> list[int]:
     if getattr(tokenizer, "chat_template", None) is None:
-        raise at.error(
-            "the target's tokenizer has no chat template; write the prompt as `text` (the exact string, "
-            "template included) or as `input_ids` instead",
-            field,
-        )
+        raise at.error(_NO_CHAT_TEMPLATE, field)
     try:
-        result = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True, enable_thinking=thinking
-        )
+        return _chat_template_ids(tokenizer, messages, thinking)
     except Exception as error:  # a template may raise on messages it does not accept (e.g. role order)
         raise at.error(f"the chat template failed on these messages: {error}", field) from error
-    # transformers 5 returns a BatchEncoding (a mapping); older versions a list of ids.
-    return result["input_ids"] if isinstance(result, Mapping) else result
 
 
 def _read_input_ids(value, at: _Line) -> list[int]:
@@ -188,10 +219,12 @@ def _read_record(record: dict, at: _Line, tokenizer, thinking: bool, vocab_size:
     elif source == "messages":
         ids = _apply_chat_template(tokenizer, _validate_messages(value, at), thinking, source, at)
     elif source == "turns":
-        ids = _apply_chat_template(tokenizer, _turns_to_messages(value, at), thinking, source, at)
+        turns = _read_turns(value, at)
+        ids = _apply_chat_template(tokenizer, _conversation(turns, []), thinking, source, at)
     else:
         ids = _read_input_ids(value, at)
     ids = tuple(int(token) for token in ids)
+    all_turns = tuple(value) if source == "turns" and len(value) > 1 else ()
     if not ids:
         raise at.error("the prompt is empty (no tokens); give it some content or remove the line", source)
     if vocab_size is not None:
@@ -202,7 +235,7 @@ def _read_record(record: dict, at: _Line, tokenizer, thinking: bool, vocab_size:
                     "the ids must come from the target's own tokenizer",
                     source,
                 )
-    return Prompt(id=prompt_id, input_ids=ids, category=category, line=at.number, source=source)
+    return Prompt(id=prompt_id, input_ids=ids, category=category, line=at.number, source=source, turns=all_turns)
 
 
 def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | None = None) -> list[Prompt]:
@@ -251,10 +284,70 @@ def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | N
     return prompts
 
 
+def turn_prompt_ids(tokenizer, prompt: Prompt, answers: Sequence[str], thinking: bool = False) -> list[int]:
+    """Token ids of the prompt for turn k = len(answers) + 1 of a multi-turn `prompt`.
+
+    The chat template over [user turn 1, assistant answers[0], user turn 2, ..., user turn k],
+    with the generation prompt added and `enable_thinking=thinking` (as `read_prompts`).
+    `answers` are the target's own decoded answers to turns 1 .. k-1. Turn 1's prompt is
+    `prompt.input_ids`; this is for 1 < k <= len(prompt.turns). Raises `ValueError` for k
+    out of that range, an answer that is not a string, or a tokenizer without a chat template.
+    """
+    if isinstance(answers, str):
+        raise ValueError("answers must be a sequence of strings (one per earlier turn), got a single string")
+    answers = list(answers)
+    k = len(answers) + 1
+    if not prompt.turns:
+        raise ValueError(
+            f"prompt {prompt.id!r} is a single-turn prompt; its only prompt is `input_ids` "
+            f"(asked for turn {k} with {len(answers)} answers)"
+        )
+    if not 1 < k <= len(prompt.turns):
+        raise ValueError(
+            f"prompt {prompt.id!r} has {len(prompt.turns)} turns; {len(answers)} answers ask for turn {k}; "
+            f"give between 1 and {len(prompt.turns) - 1} answers (turn 1's prompt is `input_ids`)"
+        )
+    for i, answer in enumerate(answers):
+        if not isinstance(answer, str):
+            raise ValueError(f"answer {i} must be a string (the decoded answer), got {_type_name(answer)}")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"prompt {prompt.id!r}: {_NO_CHAT_TEMPLATE}")
+    return _chat_template_ids(tokenizer, _conversation(prompt.turns, answers), thinking)
+
+
 def prompt_set_identity(prompts: list[Prompt]) -> list[dict]:
-    """What identifies a prompt set, as JSON-able data: `[{"id", "category", "input_ids"}]` in order.
+    """What identifies a prompt set, as JSON-able data: `[{"id", "category", "input_ids"[, "turns"]}]` in order.
 
     A cache key over the prompt set hashes this; the line numbers and source fields are left
     out, so the same prompts written another way (e.g. `text` or `input_ids`) give the same key.
+    A multi-turn prompt adds its user `turns` (its later prompts depend on them); single-turn
+    prompts have no `turns` key, so their identity is unchanged.
     """
-    return [{"id": p.id, "category": p.category, "input_ids": list(p.input_ids)} for p in prompts]
+    identity = []
+    for p in prompts:
+        item = {"id": p.id, "category": p.category, "input_ids": list(p.input_ids)}
+        if p.turns:
+            item["turns"] = list(p.turns)
+        identity.append(item)
+    return identity
+
+
+def resolve_prompts(name_or_path: str) -> Path:
+    """The JSONL file for a shipped suite name (see `PROMPT_SUITES`) or a path to a user's file.
+
+    A suite name always means the shipped suite (write `./math` for a local file named `math`);
+    anything else must be an existing file, or `PromptError` lists the suites.
+    """
+    name_or_path = str(name_or_path)
+    if name_or_path in PROMPT_SUITES:
+        suite = SUITES_DIR / f"{name_or_path}.jsonl"
+        if not suite.is_file():
+            raise PromptError(f"prompt suite {name_or_path!r} is missing from the installation ({suite})")
+        return suite
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    raise PromptError(
+        f"{name_or_path}: no such prompt file, and not a prompt suite; give a path to a JSONL file or one of "
+        f"the suites: {', '.join(PROMPT_SUITES)}"
+    )

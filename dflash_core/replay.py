@@ -4,14 +4,15 @@ At temperature 0 speculative decoding emits exactly the target's greedy continua
 target's hidden states for R, teacher-forced, are what it computes while decoding. So for any drafter:
 
     start = prompt_len                  # R[start] is the target's first output token
-    while start + 1 < len(R):
+    while start + 1 < end:              # end = len(R), or where the completion ends when R holds lookahead
         draft block [R[start], MASK x (B-1)] with context = features[:start]
         a = leading k >= 1 with draft[k] == R[start + k], among the tokens R still has
         step = min(a + 1, len(R) - 1 - start)   # accepted drafts + the target's bonus token
         start += step
 
 The last step of a reference is clipped: R ends where the target stopped, so only the tokens R holds
-can be compared (this is also where an online loop stops).
+can be compared (this is also where an online loop stops). A reference with lookahead tokens (the
+target's greedy tokens past its stop) scores the last step against a whole block instead.
 
 Speed: context keys/values are computed once per sequence (drafter.context_kv); blocks from many
 sequences or start positions run as one batch under a mask; the lm_head runs position by position
@@ -29,17 +30,28 @@ from .drafter import DFlashDrafter, check_compatible
 
 @dataclass(frozen=True)
 class Reference:
-    """A greedy reference: the prompt followed by the target's greedy completion."""
+    """A greedy reference: the prompt followed by the target's greedy completion.
+
+    completion_end: where decoding stops (the target's stop token or max_new_tokens), when the
+    reference holds lookahead tokens after it (the target's greedy tokens past the stop, so the
+    last step is compared against a whole block like every other one); None = len(token_ids).
+    """
 
     prompt_len: int
     token_ids: Sequence[int]
+    completion_end: int | None = None
 
     def __post_init__(self):
-        if not 0 < self.prompt_len < len(self.token_ids):
+        if not 0 < self.prompt_len < self.end <= len(self.token_ids):
             raise ValueError(
                 f"a reference needs a prompt and at least one completion token: prompt_len={self.prompt_len}, "
-                f"{len(self.token_ids)} tokens"
+                f"completion_end={self.completion_end}, {len(self.token_ids)} tokens"
             )
+
+    @property
+    def end(self) -> int:
+        """Length of prompt + completion: decode steps start before end - 1."""
+        return len(self.token_ids) if self.completion_end is None else self.completion_end
 
 
 @dataclass
@@ -178,14 +190,14 @@ def replay(
         return out
 
     if all_positions:
-        blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, len(ref.token_ids) - 1)]
+        blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, ref.end - 1)]
         steps, rejected = run(blocks)
         by_block = {b: (a, r) for b, a, r in zip(blocks, steps, rejected)}
         for s, ref in enumerate(references):
             res = results[s]
-            res.all_positions = [by_block[(s, p)][0] for p in range(ref.prompt_len, len(ref.token_ids) - 1)]
+            res.all_positions = [by_block[(s, p)][0] for p in range(ref.prompt_len, ref.end - 1)]
             p = ref.prompt_len
-            while p + 1 < len(ref.token_ids):
+            while p + 1 < ref.end:
                 a, r = by_block[(s, p)]
                 res.starts.append(p)
                 res.acceptance_lengths.append(a)
@@ -194,7 +206,7 @@ def replay(
         return results
 
     # decode mode: every unfinished reference advances one step per batch
-    frontier = {s: ref.prompt_len for s, ref in enumerate(references) if ref.prompt_len + 1 < len(ref.token_ids)}
+    frontier = {s: ref.prompt_len for s, ref in enumerate(references) if ref.prompt_len + 1 < ref.end}
     while frontier:
         blocks = sorted(frontier.items(), key=lambda b: b[1])  # similar context lengths batch together
         steps, rejected = run(blocks)
@@ -203,7 +215,7 @@ def replay(
             res.starts.append(p)
             res.acceptance_lengths.append(a)
             res.rejected_drafts.append(r)
-            if p + a + 1 < len(references[s].token_ids):
+            if p + a + 1 < references[s].end:
                 frontier[s] = p + a
             else:
                 del frontier[s]

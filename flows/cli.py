@@ -17,7 +17,8 @@ app.add_typer(tiny_app, name="tiny")
 
 TARGET = typer.Option(..., "--target", help="Target model folder (Hugging Face format).")
 DRAFTER = typer.Option(..., "--drafter", help="Drafter checkpoint folder (config.json + model.safetensors).")
-PROMPTS = typer.Option(..., "--prompts", help="Prompts JSONL: id + one of text/messages/turns/input_ids, optional category.")
+PROMPTS = typer.Option(..., "--prompts", help="A suite (math, code, chat, multiturn) or a JSONL file: id + one of "
+                       "text/messages/turns/input_ids, optional category.")
 MAX_NEW = typer.Option(256, "--max-new-tokens", help="Greedy reference length limit per prompt.")
 STORE = typer.Option(None, "--store", help="Store root (default $DFLASH_STORE, else ./.dflash-store).")
 DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16: target and drafter compute dtype.")
@@ -25,6 +26,12 @@ DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 SEMANTICS = typer.Option("causal", "--sliding-semantics",
                          help="Sliding drafter layers: causal (training/serving) or non_causal (z-lab reference).")
 THINKING = typer.Option(False, "--thinking/--no-thinking", help="enable_thinking in the chat template.")
+REFERENCE = typer.Option("local", "--reference", help="Greedy references from: local (the target here), "
+                         "sglang+http://HOST:PORT or openai+http://HOST:PORT/v1.")
+LOOKAHEAD = typer.Option(False, "--lookahead/--no-lookahead", help="Keep B-1 greedy tokens past each completion so "
+                         "the last step is scored against a whole block (default: clipped, as online decoding).")
+CONCURRENCY = typer.Option(8, "--concurrency", help="Requests in flight to a reference server.")
+TEMPERATURE = typer.Option(0.0, "--temperature", help="Only 0 (greedy): anything else is refused.")
 
 
 def _evaluate(**kwargs) -> dict:
@@ -34,7 +41,8 @@ def _evaluate(**kwargs) -> dict:
 
     try:
         check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
-                     kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"])
+                     kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"],
+                     kwargs.get("reference", "local"), kwargs.pop("temperature", 0.0))
         return evaluate_checkpoint(**kwargs)
     except (InputError, DrafterError) as e:
         typer.secho(f"error: {e}", err=True, fg="red")
@@ -72,6 +80,8 @@ def run(
     target: str = TARGET, drafter: str = DRAFTER, prompts: str = PROMPTS, max_new_tokens: int = MAX_NEW,
     store: str = STORE, out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
+    reference: str = REFERENCE, lookahead: bool = LOOKAHEAD, concurrency: int = CONCURRENCY,
+    temperature: float = TEMPERATURE,
 ):
     """Evaluate a drafter checkpoint: tau on the prompts, computing only what the store lacks.
 
@@ -79,7 +89,8 @@ def run(
     --prompts runs/tiny/prompts.jsonl --out results.json
     """
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
-                        dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking)
+                        dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
+                        reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature)
     _print_results(results)
     _write(results, out)
 
@@ -91,6 +102,8 @@ def stage(
     store: str = STORE, refresh: bool = typer.Option(False, "--refresh", help="Recompute it even if the store has it."),
     out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
+    reference: str = REFERENCE, lookahead: bool = LOOKAHEAD, concurrency: int = CONCURRENCY,
+    temperature: float = TEMPERATURE,
 ):
     """Run one stage by hand (and the stages it needs, from the store when they are there)."""
     from flows.evaluate import STAGES
@@ -99,6 +112,7 @@ def stage(
         raise typer.BadParameter(f"one of {', '.join(STAGES)}, got {name!r}", param_hint="NAME")
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
+                        reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
                         until=name, refresh=[name] if refresh else [])
     _print_results(results)
     _write(results, out)
@@ -127,6 +141,33 @@ def demo(
     for name, results in rows:
         ran = ", ".join(s for s, status in results["stages"].items() if status == "ran") or "nothing (all cached)"
         typer.echo(f"{name:<10}  {results['tau_macro']:9.3f}  {results['tau_pooled']:10.3f}  {ran}")
+
+
+@app.command("serve-reference")
+def serve_reference(
+    target: str = TARGET,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(30000, "--port", help="Port to listen on (0: any free port)."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the target's compute dtype."),
+    device: str = DEVICE,
+    served_model_name: str = typer.Option(None, "--served-model-name",
+                                          help="Model name in /v1/models and responses (default: the target folder name)."),
+):
+    """Serve the target's greedy completions over HTTP (SGLang /generate, OpenAI /v1/completions)
+    until killed: a reference server for tests and for machines without SGLang or vLLM.
+
+    Example: dflash-eval serve-reference --target runs/tiny/target --port 30000
+    """
+    from dflash_core.reference_server import DTYPES, serve_reference as serve
+
+    if dtype not in DTYPES:
+        raise typer.BadParameter(f"one of {', '.join(DTYPES)}, got {dtype!r}", param_hint="--dtype")
+    try:
+        serve(target, host=host, port=port, dtype=dtype, served_model_name=served_model_name, device=device,
+              log=typer.echo)
+    except (ValueError, OSError) as e:  # no such target, port in use
+        typer.secho(f"error: {e}", err=True, fg="red")
+        raise typer.Exit(2) from None
 
 
 @tiny_app.command("build")

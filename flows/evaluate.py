@@ -14,10 +14,12 @@ from pathlib import Path
 
 import torch
 from prefect import flow
+from transformers import AutoTokenizer
 from prefect.runtime import flow_run
 
 from dflash_core.drafter import DrafterConfig, DrafterError, check_compatible, read_drafter_config
 from dflash_core.prompts import PromptError
+from dflash_core.reference_backends import BackendError, open_backend
 from dflash_core.target import read_target_config
 from storage import Store, read_json
 from tasks.drafts import draft
@@ -48,9 +50,17 @@ class CheckedInputs:
 
 def check_inputs(
     target: str, drafter: str, prompts: str, max_new_tokens: int, dtype: str, device: str,
-    sliding_semantics: str, thinking: bool = False,
+    sliding_semantics: str, thinking: bool = False, reference: str = "local", temperature: float = 0.0,
 ) -> CheckedInputs:
-    """Read everything an evaluation needs, without writing anything: raises InputError on bad input."""
+    """Read everything an evaluation needs, without writing anything: raises InputError on bad input.
+
+    A reference server is asked who it is and checked against the target's tokenizer here, so a
+    mismatched or dead server is refused before any stage stores anything."""
+    if temperature != 0:
+        raise InputError(
+            f"--temperature {temperature}: only greedy decoding (temperature 0) is evaluated; at any other temperature "
+            "the references are samples, and replaying them would not equal speculative decoding"
+        )
     if dtype not in DTYPES:
         raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if sliding_semantics not in SLIDING_SEMANTICS:
@@ -79,8 +89,6 @@ def check_inputs(
         check_compatible(drafter_config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
-    if not Path(prompts).is_file():
-        raise InputError(f"prompts file {prompts} does not exist: pass a JSONL file (one JSON object per line)")
     try:
         prompt_set = load_prompts(prompts, target, thinking)
     except PromptError as e:
@@ -91,6 +99,13 @@ def check_inputs(
             f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds the target's "
             f"{target_config.max_positions} positions; lower --max-new-tokens or shorten the prompts"
         )
+    if reference != "local":
+        try:
+            backend = open_backend(reference, AutoTokenizer.from_pretrained(target))
+            backend.identity  # noqa: B018 (asks the server which model it serves)
+            backend.check_matches(target_config.vocab_size)
+        except (ValueError, BackendError) as e:
+            raise InputError(f"reference server: {e}") from None
     return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set))
 
 
@@ -122,15 +137,23 @@ def evaluate_checkpoint(
     device: str = "cpu",
     sliding_semantics: str = "causal",
     thinking: bool = False,
+    reference: str = "local",
+    lookahead: bool = False,
+    concurrency: int = 8,
     until: str = "scores",
     refresh: list[str] | None = None,
 ) -> dict:
     """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
+    prompts: a JSONL file or a shipped suite name (math, code, chat, multiturn).
+    reference: where greedy references come from: local, sglang+http://HOST:PORT, openai+http://HOST:PORT/v1
+    (concurrency: requests in flight to a server). lookahead: keep B-1 greedy tokens past each
+    completion so its last step is scored against a whole block (not clipped).
     until: run only this stage and what it depends on. refresh: stages to recompute even if cached.
     Returns the results record (also what `dflash-eval run --out` writes).
     """
-    inputs = check_inputs(target, drafter, prompts, max_new_tokens, dtype, device, sliding_semantics, thinking)
+    inputs = check_inputs(target, drafter, prompts, max_new_tokens, dtype, device, sliding_semantics, thinking,
+                          reference)
     refresh = set(refresh or ())
     unknown = refresh - set(STAGES)
     if unknown:
@@ -151,8 +174,9 @@ def evaluate_checkpoint(
         # the fetched copy is what gets drafted: take its layer ids (the source may have changed since)
         layer_ids = tuple(read_drafter_config(checkpoint.path).target_layer_ids)
     if "references" in run:
-        refs = step("references", generate_references, target, prompts, max_new_tokens, dtype=dtype, device=device,
-                    thinking=thinking)
+        refs = step("references", generate_references, target, prompts, max_new_tokens, reference=reference,
+                    lookahead=inputs.drafter.block_size - 1 if lookahead else 0, dtype=dtype, device=device,
+                    thinking=thinking, concurrency=concurrency)
     if "features" in run:
         features = step("features", extract_target_features, target, refs, layer_ids, dtype=dtype, device=device)
     if "drafts" in run:
@@ -167,6 +191,9 @@ def evaluate_checkpoint(
                     "step": training_step(drafter)},
         "target": str(target),
         "prompts": str(prompts),
+        "reference": reference,
+        "lookahead": lookahead,
+        "thinking": thinking,
         "max_new_tokens": max_new_tokens,
         "layer_ids": list(layer_ids),
         "dtype": dtype,

@@ -1,5 +1,11 @@
-"""References stage: the target's greedy completion of every prompt, one file per prompt (resumable)."""
+"""References stage: the target's greedy completion of every prompt, one file per prompt (resumable).
 
+A multi-turn prompt gives one reference per turn: turn k's prompt holds the target's own answers to
+turns 1..k-1. Its items are named `<id>#<k>`.
+"""
+
+import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -8,8 +14,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
-from dflash_core.decoding import greedy_decode
-from dflash_core.prompts import Prompt, prompt_set_identity, read_prompts
+from dflash_core.prompts import Prompt, prompt_set_identity, read_prompts, resolve_prompts, turn_prompt_ids
+from dflash_core.reference_backends import TOKENIZER_LOCK, BackendError, LocalBackend, open_backend
 from dflash_core.replay import Reference
 from dflash_core.target import read_target_config
 from storage import Store, key_of, read_json, write_json_atomic
@@ -27,75 +33,135 @@ class ReferenceSet:
 
     key: str
     path: str  # the entry folder: seq_<n>.json per prompt
-    n: int
+    n_prompts: int
+    n: int  # references (a multi-turn prompt has one per turn)
+    lookahead: int  # greedy tokens kept past each completion's end
 
 
 @dataclass(frozen=True)
 class ReferenceItem:
-    """One prompt's reference, as stored."""
+    """One reference, as stored."""
 
     id: str
     category: str | None
-    reference: Reference  # prompt + completion token ids
+    reference: Reference  # prompt + completion (+ lookahead) token ids
     finish: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+    verified: bool  # False: a server returned text whose re-tokenisation did not round-trip
 
 
-def load_prompts(prompts_file: str, target_dir: str, thinking: bool = False) -> list[Prompt]:
-    """Parse the prompt file with the target's tokenizer (errors name the file and line)."""
+def load_prompts(prompts: str, target_dir: str, thinking: bool = False) -> list[Prompt]:
+    """Parse a prompt suite name or JSONL file with the target's tokenizer (errors name the file and line)."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    return read_prompts(prompts_file, tokenizer, thinking=thinking, vocab_size=read_target_config(target_dir).vocab_size)
+    return read_prompts(resolve_prompts(prompts), tokenizer, thinking=thinking,
+                        vocab_size=read_target_config(target_dir).vocab_size)
 
 
 def load_references(refs: ReferenceSet) -> list[ReferenceItem]:
-    """Read a reference set back from the store, in prompt order."""
+    """Read a reference set back from the store, in prompt (then turn) order."""
     items = []
-    for n in range(refs.n):
-        r = read_json(Path(refs.path) / f"seq_{n}.json")
-        items.append(ReferenceItem(r["id"], r["category"], Reference(r["prompt_len"], r["token_ids"]), r["finish"]))
+    for n in range(refs.n_prompts):
+        record = read_json(Path(refs.path) / f"seq_{n}.json")
+        for k, turn in enumerate(record["turns"], start=1):
+            item_id = record["id"] if len(record["turns"]) == 1 else f"{record['id']}#{k}"
+            reference = Reference(turn["prompt_len"], turn["token_ids"], turn["completion_end"])
+            items.append(ReferenceItem(item_id, record["category"], reference, turn["finish"], turn["verified"]))
     return items
+
+
+def generate_turns(backend, tokenizer, prompt: Prompt, max_new_tokens: int, stop_ids: list[int],
+                   lookahead: int, thinking: bool) -> list[dict]:
+    """Every turn of one prompt: prompt ids, completion (+ lookahead) ids, where the completion ends."""
+    turns, answers = [], []
+    for k in range(max(1, len(prompt.turns))):
+        if k == 0:
+            prompt_ids = list(prompt.input_ids)
+        else:
+            with TOKENIZER_LOCK:
+                prompt_ids = turn_prompt_ids(tokenizer, prompt, answers, thinking)
+        if lookahead:
+            # past the stop token too (greedy: the tokens before it are the same), then cut there
+            completion = backend.generate(prompt_ids, max_new_tokens + lookahead, [])
+        else:
+            completion = backend.generate(prompt_ids, max_new_tokens, stop_ids)
+        ids = completion.token_ids
+        if not ids:
+            raise BackendError(f"prompt {prompt.id} turn {k + 1}: the reference backend returned no token")
+        end = next((i + 1 for i, t in enumerate(ids[:max_new_tokens]) if t in stop_ids), min(len(ids), max_new_tokens))
+        turns.append({"prompt_len": len(prompt_ids), "token_ids": prompt_ids + ids, "completion_end": len(prompt_ids) + end,
+                      "finish": "stop" if ids[end - 1] in stop_ids else "length", "verified": completion.verified})
+        with TOKENIZER_LOCK:
+            answers.append(tokenizer.decode(ids[:end], skip_special_tokens=True))
+    return turns
 
 
 @task(name="references", cache_policy=NONE, persist_result=False)
 def generate_references(
     target_dir: str,
-    prompts_file: str,
+    prompts_source: str,
     max_new_tokens: int,
     store_root: str,
+    reference: str = "local",
+    lookahead: int = 0,
     dtype: str = "float32",
     device: str = "cpu",
     thinking: bool = False,
+    concurrency: int = 8,
     refresh: bool = False,
 ):
-    """Greedy completions from the target through transformers (the embedded backend), temperature 0."""
+    """Greedy completions, temperature 0, from the target in this process (reference="local") or a
+    server (see dflash_core.reference_backends); lookahead > 0 also keeps that many greedy tokens past
+    each completion's end, so its last decode step is scored against a whole block."""
     store = Store(store_root)
-    prompts = load_prompts(prompts_file, target_dir, thinking)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    prompts = read_prompts(resolve_prompts(prompts_source), tokenizer, thinking=thinking,
+                           vocab_size=read_target_config(target_dir).vocab_size)
     stop_ids = list(read_target_config(target_dir).eos_token_ids)
+    if reference == "local":
+        backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
+                               {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type})
+    else:
+        backend = open_backend(reference, tokenizer, concurrency=concurrency)
     key = key_of({
-        "prompts": prompt_set_identity(prompts),
-        "backend": {"kind": "transformers", "target": target_key(target_dir, store), "dtype": dtype,
-                    "device": torch.device(device).type},
-        "sampling": {"temperature": 0.0},
-        "max_new_tokens": max_new_tokens,
-        "stop_token_ids": stop_ids,
+        "prompts": prompt_set_identity(prompts), "thinking": thinking,
+        "target": target_key(target_dir, store), "backend": backend.identity,
+        "sampling": {"temperature": 0.0}, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids,
+        "lookahead": lookahead,
     })
 
     def compute(entry: Path) -> dict:
         todo = [n for n in range(len(prompts)) if not (entry / f"seq_{n}.json").exists()]  # resume
-        if todo:
-            target = loaded_target(target_dir, dtype, device)
-            with StageProgress(STAGE, "greedy references", len(prompts)) as progress:
-                for done, n in enumerate(todo, start=len(prompts) - len(todo) + 1):
-                    prompt = prompts[n]
-                    ids = greedy_decode(target, list(prompt.input_ids), max_new_tokens, stop_ids)
-                    finish = "stop" if ids[-1] in stop_ids and len(ids) > len(prompt.input_ids) else "length"
-                    write_json_atomic(entry / f"seq_{n}.json", {
-                        "id": prompt.id, "category": prompt.category, "prompt_len": len(prompt.input_ids),
-                        "token_ids": ids, "finish": finish,
-                    })
+        failed = threading.Event()
+
+        def one_prompt(n):
+            if failed.is_set():  # after a failure, start no new prompt (those running still finish)
+                return None
+            return generate_turns(backend, tokenizer, prompts[n], max_new_tokens, stop_ids, lookahead, thinking)
+
+        failure = None
+        with StageProgress(STAGE, "greedy references", len(prompts)) as progress, \
+                ThreadPoolExecutor(max_workers=backend.concurrency) as pool:
+            running = {pool.submit(one_prompt, n): n for n in todo}
+            done = len(prompts) - len(todo)
+            for future in as_completed(running):
+                if future.exception() is not None:
+                    failure = failure or future.exception()
+                    failed.set()
+                elif future.result() is not None:  # every finished prompt is kept: a rerun resumes
+                    n = running[future]
+                    write_json_atomic(entry / f"seq_{n}.json", {"id": prompts[n].id, "category": prompts[n].category,
+                                                               "turns": future.result()})
+                    done += 1
                     progress.update(done)
-        return {"n": len(prompts), "prompts_file": str(prompts_file), "max_new_tokens": max_new_tokens,
-                "stop_token_ids": stop_ids, "backend": "transformers", "dtype": dtype}
+        if failure is not None:
+            raise failure
+        n_items = sum(max(1, len(p.turns)) for p in prompts)
+        unverified = sum(not t["verified"] for n in range(len(prompts))
+                         for t in read_json(entry / f"seq_{n}.json")["turns"])
+        return {"n_prompts": len(prompts), "n": n_items, "prompts": str(prompts_source), "backend": backend.identity,
+                "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids, "lookahead": lookahead,
+                "unverified": unverified}
 
     record, computed = run_entry(store, STAGE, key, compute, refresh)
-    refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n=record["n"])
+    refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record["n_prompts"], n=record["n"],
+                        lookahead=record["lookahead"])
     return refs if computed else cached(refs)

@@ -36,12 +36,15 @@ def score(drafts: Drafts, refs: ReferenceSet, store_root: str, refresh: bool = F
 
     def compute(entry: Path) -> dict:
         per_prompt = read_json(Path(drafts.path) / "drafts.json")["per_prompt"]
+        items = load_references(refs)
         prompts = [
             PromptScore(item.id, item.category, d["acceptance_lengths"], d["starts"], len(item.reference.token_ids))
-            for item, d in zip(load_references(refs), per_prompt)
+            for item, d in zip(items, per_prompt)
         ]
-        summary = summarize(prompts, drafts.block_size)
+        summary = summarize(prompts, drafts.block_size, lookahead=refs.lookahead > 0)
         summary["sliding_semantics"] = drafts.sliding_semantics
+        # references a server gave only as text whose re-tokenisation did not round-trip
+        summary["unverified_references"] = [item.id for item in items if not item.verified]
         write_json_atomic(entry / "scores.json", summary, indent=1)
         return {"tau_macro": summary["tau_macro"], "tau_pooled": summary["tau_pooled"], "drafts": drafts.key}
 

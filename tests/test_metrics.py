@@ -19,9 +19,11 @@ def test_macro_and_pooled_tau_weigh_prompts_differently():
 
 def test_last_step_clipped_when_it_took_every_token_the_reference_had():
     # reference of 20 tokens: the step at 17 can emit at most 20 - 1 - 17 = 2 tokens
-    assert prompt([8, 2], [9, 17], 20).last_step_clipped
+    assert prompt([8, 2], [9, 17], 20).last_step_clipped(block_size=8)
     # the step at 17 stopped at a mismatch before the reference ran out
-    assert not prompt([8, 1], [9, 17], 20).last_step_clipped
+    assert not prompt([8, 1], [9, 17], 20).last_step_clipped(block_size=8)
+    # a whole block accepted exactly where the reference ends is a full step, not a clipped one
+    assert not prompt([8, 8], [9, 17], 26).last_step_clipped(block_size=8)
 
 
 def test_summary_leaves_out_prompts_without_a_step_and_reports_them():

@@ -303,7 +303,7 @@ BAD_INPUTS = {
         lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, dflash_config={"target_layer_ids": [1, 9],
                                                                                 "mask_token_id": 3}))},
         "include [9], but the target has only 4 layers"),
-    "missing prompts": (lambda t, tiny: {"--prompts": str(t / "none.jsonl")}, "none.jsonl does not exist"),
+    "missing prompts": (lambda t, tiny: {"--prompts": str(t / "none.jsonl")}, "none.jsonl: no such prompt file"),
     "prompts line not JSON": (lambda t, tiny: {"--prompts": str(_bad_prompts(t, tiny, '{"id": "x", "text": '))},
                               "bad.jsonl:2"),
     "prompt id out of vocabulary": (
@@ -311,6 +311,9 @@ BAD_INPUTS = {
         "bad.jsonl:2"),
     "too many new tokens": (lambda t, tiny: {"--max-new-tokens": "100000"}, "exceeds the target's"),
     "unknown dtype": (lambda t, tiny: {"--dtype": "float16"}, "--dtype must be one of float32, bfloat16"),
+    "sampling temperature": (lambda t, tiny: {"--temperature": "0.7"}, "only greedy decoding (temperature 0)"),
+    "malformed reference": (lambda t, tiny: {"--reference": "vllm://host:8000"},
+                            "use local, sglang+http://HOST:PORT or openai+http://HOST:PORT/v1"),
 }
 
 

@@ -7,7 +7,15 @@ import pytest
 from tokenizers import processors
 
 from dflash_core import tiny_target
-from dflash_core.prompts import Prompt, PromptError, prompt_set_identity, read_prompts
+from dflash_core.prompts import (
+    PROMPT_SUITES,
+    Prompt,
+    PromptError,
+    prompt_set_identity,
+    read_prompts,
+    resolve_prompts,
+    turn_prompt_ids,
+)
 
 TRAINING_TEXT = (
     "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
@@ -238,10 +246,6 @@ def test_wrong_types_name_the_field(tmp_path, tokenizer, field, value, expected)
     assert expected in message
 
 
-def test_several_turns_are_not_supported(tmp_path, tokenizer):
-    message = error_of(write(tmp_path, {"id": "a", "turns": ["one", "two"]}), tokenizer)
-    assert "prompts.jsonl:1: field 'turns': has 2 turns" in message
-    assert "target's own answers between turns" in message and "one turn per line" in message
 
 
 @pytest.mark.parametrize("field, value", [("text", ""), ("input_ids", [])])
@@ -267,3 +271,123 @@ def test_chat_template_failure_names_the_line(tmp_path, tokenizer):
     message = error_of(write(tmp_path, {"id": "a", "messages": [{"role": "user", "content": "x"}]}), strict)
     assert "prompts.jsonl:1: field 'messages': the chat template failed" in message
     assert "roles must alternate" in message
+
+
+# --- multi-turn prompts
+
+TURNS = ["Write a haiku about tokenizers.", "Sort a list of numbers.", "Be brief."]
+
+
+def test_multi_turn_prompt_is_the_first_turn_with_all_turns_kept(tmp_path, tokenizer):
+    path = write(
+        tmp_path,
+        {"id": "mt", "category": "multiturn", "turns": TURNS},
+        {"id": "one", "turns": [TURNS[0]]},
+        {"id": "m", "messages": [{"role": "user", "content": TURNS[0]}]},
+        {"id": "t", "text": "Sort"},
+    )
+    multi, one, message, text = read_prompts(path, tokenizer)
+    first = chat_ids(tokenizer, [{"role": "user", "content": TURNS[0]}])
+    assert multi == Prompt("mt", tuple(first), "multiturn", 1, "turns", tuple(TURNS))
+    assert one.input_ids == multi.input_ids and one.turns == ()
+    assert message.turns == () and text.turns == ()
+
+
+def test_turn_prompt_ids_puts_the_answers_between_the_turns(tmp_path, tokenizer):
+    (prompt,) = read_prompts(write(tmp_path, {"id": "mt", "turns": TURNS}), tokenizer)
+    answer = "def fibonacci(n): return a"
+    expected = chat_ids(
+        tokenizer,
+        [
+            {"role": "user", "content": TURNS[0]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": TURNS[1]},
+        ],
+    )
+    second = turn_prompt_ids(tokenizer, prompt, [answer])
+    assert second == expected
+    assert all(isinstance(token, int) for token in second)
+    assert second[: len(prompt.input_ids)] == list(prompt.input_ids)  # turn 1's prompt is a prefix here
+    answer_ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+    assert any(second[i : i + len(answer_ids)] == answer_ids for i in range(len(second)))
+    assert tokenizer.decode(second).endswith(f"<|im_start|>user\n{TURNS[1]}<|im_end|>\n<|im_start|>assistant\n")
+
+    third = turn_prompt_ids(tokenizer, prompt, (answer, "Sorted."))
+    assert tokenizer.decode(third).count("<|im_start|>assistant\n") == 3
+    assert tokenizer.decode(third).endswith(f"{TURNS[2]}<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_turn_prompt_ids_passes_thinking(tmp_path, tokenizer):
+    thinking_tokenizer = copy.deepcopy(tokenizer)
+    thinking_tokenizer.chat_template = THINKING_TEMPLATE
+    (prompt,) = read_prompts(write(tmp_path, {"id": "mt", "turns": TURNS[:2]}), thinking_tokenizer)
+    off = turn_prompt_ids(thinking_tokenizer, prompt, ["Sorted."])
+    on = turn_prompt_ids(thinking_tokenizer, prompt, ["Sorted."], thinking=True)
+    assert thinking_tokenizer.decode(off).endswith("<|im_start|>assistant\nNO THINK\n")
+    assert thinking_tokenizer.decode(on).endswith("<|im_start|>assistant\n") and off != on
+
+
+def test_turn_prompt_ids_range_errors(tmp_path, tokenizer):
+    path = write(tmp_path, {"id": "mt", "turns": TURNS[:2]}, {"id": "one", "turns": ["Sort"]}, {"id": "t", "text": "x"})
+    multi, one, text = read_prompts(path, tokenizer)
+    with pytest.raises(ValueError, match="turn 1's prompt is `input_ids`"):
+        turn_prompt_ids(tokenizer, multi, [])  # k = 1
+    with pytest.raises(ValueError, match="has 2 turns; 2 answers ask for turn 3"):
+        turn_prompt_ids(tokenizer, multi, ["a", "b"])
+    for single in (one, text):
+        with pytest.raises(ValueError, match="single-turn"):
+            turn_prompt_ids(tokenizer, single, ["a"])
+    with pytest.raises(ValueError, match="single string"):
+        turn_prompt_ids(tokenizer, multi, "a")
+    with pytest.raises(ValueError, match="answer 0 must be a string"):
+        turn_prompt_ids(tokenizer, multi, [[1, 2]])
+
+
+def test_prompt_set_identity_covers_the_turns(tmp_path, tokenizer):
+    a = read_prompts(write(tmp_path, {"id": "mt", "turns": TURNS[:2]}, name="a.jsonl"), tokenizer)
+    b = read_prompts(write(tmp_path, {"id": "mt", "turns": [TURNS[0], "Be brief."]}, name="b.jsonl"), tokenizer)
+    assert a[0].input_ids == b[0].input_ids
+    assert prompt_set_identity(a)[0]["turns"] == TURNS[:2]
+    assert prompt_set_identity(a) != prompt_set_identity(b)
+    single = read_prompts(write(tmp_path, {"id": "s", "turns": [TURNS[0]]}, name="c.jsonl"), tokenizer)
+    assert "turns" not in prompt_set_identity(single)[0]
+
+
+# --- shipped suites
+
+
+@pytest.mark.parametrize("name", PROMPT_SUITES)
+def test_each_suite_reads(tokenizer, name):
+    path = resolve_prompts(name)
+    assert path.name == f"{name}.jsonl" and path.is_file()
+    prompts = read_prompts(path, tokenizer)
+    assert len(prompts) >= 20
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(p.id.startswith(f"{name}-") for p in prompts)
+    assert {p.category for p in prompts} == {name}
+    if name == "multiturn":
+        assert all(p.source == "turns" and len(p.turns) == 2 for p in prompts)
+        for p in prompts:
+            assert len(turn_prompt_ids(tokenizer, p, ["An answer."])) > len(p.input_ids)
+    else:
+        assert all(p.turns == () for p in prompts)
+
+
+def test_suites_are_package_data():
+    from importlib import resources
+
+    suites = resources.files("dflash_core").joinpath("prompt_suites")
+    for name in PROMPT_SUITES:
+        assert suites.joinpath(f"{name}.jsonl").is_file()
+        assert resolve_prompts(name).read_bytes() == suites.joinpath(f"{name}.jsonl").read_bytes()
+
+
+def test_resolve_prompts_path_and_unknown_name(tmp_path):
+    path = write(tmp_path, {"id": "a", "text": "x"})
+    assert resolve_prompts(str(path)) == path
+    with pytest.raises(PromptError) as info:
+        resolve_prompts("maths")
+    message = str(info.value)
+    assert "maths" in message and all(name in message for name in PROMPT_SUITES)
+    with pytest.raises(PromptError, match="math, code, chat, multiturn"):
+        resolve_prompts(str(tmp_path / "missing.jsonl"))

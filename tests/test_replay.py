@@ -106,6 +106,27 @@ def test_clipped_last_step_and_stop_token(qwen3_target):
         assert rp.acceptance_lengths == on.acceptance_lengths and sum(rp.acceptance_lengths) == 6
 
 
+def test_lookahead_scores_the_last_step_against_a_whole_block(qwen3_target):
+    raw = drafter_config(hidden_size=64, block_size=6, layer_ids=(1, 2), mask_token_id=0)
+    drafter = random_drafter(raw, seed=15, scale=3.0)
+    head = (qwen3_target.embed_weight, qwen3_target.head_weight)
+    for p in prompts(seed=4):
+        # the completion is 10 tokens; 5 more greedy tokens (B - 1) are lookahead
+        full = greedy_decode(qwen3_target, p, 15)
+        end = len(p) + 10
+        feats = extract_features(qwen3_target, [full], drafter.target_layer_ids)
+        looked, unbounded = (replay(drafter, *head, [ref], feats)[0]
+                             for ref in (Reference(len(p), full, completion_end=end), Reference(len(p), full)))
+        clipped = replay(drafter, *head, [Reference(len(p), full[:end])], [feats[0][:, :end]])[0]
+        # the same decode chain up to the completion's end ...
+        assert looked.starts == clipped.starts == [s for s in unbounded.starts if s < end - 1]
+        assert looked.acceptance_lengths == unbounded.acceptance_lengths[: len(looked.starts)]
+        assert looked.acceptance_lengths[:-1] == clipped.acceptance_lengths[:-1]
+        # ... and a last step no longer cut at the end of the completion
+        assert looked.acceptance_lengths[-1] >= clipped.acceptance_lengths[-1]
+        assert sum(clipped.acceptance_lengths) == 9
+
+
 def test_off_by_one_layer_changes_acceptance(qwen3_target):
     raw = drafter_config(hidden_size=64, block_size=6, layer_ids=(1, 2), mask_token_id=0)
     drafter = random_drafter(raw, seed=15, scale=3.0)

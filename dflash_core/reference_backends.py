@@ -1,0 +1,229 @@
+"""Where greedy references come from: the target in this process, or a serving stack over HTTP.
+
+    --reference local                        the target through transformers (greedy_decode)
+    --reference sglang+http://host:port      SGLang's native POST /generate, token ids in and out
+    --reference openai+http://host:port/v1   an OpenAI-compatible POST /v1/completions (vLLM, SGLang)
+
+Temperature 0 only: at any other temperature the references would not be the target's greedy
+continuation, and offline replay would no longer equal speculative decoding.
+
+Token ids, not text: prompts go to the server as ids, and completions come back as the ids the server
+generated (SGLang's `output_ids`, vLLM's `return_token_ids`). A server that returns only text gets its
+text re-tokenised with the target's tokenizer, and the round trip is verified (decoding the ids gives
+the text back); a reference whose round trip fails is kept but marked unverified.
+
+HTTP: a bounded pool of connections, timeouts, retries with exponential backoff on connection
+errors, timeouts and 5xx answers; a 4xx answer is a clear error at once (retrying cannot fix it).
+Before any work, `check_matches` compares the server's tokenizer with the target's on a probe
+prompt, and the server's model identity becomes part of the references' key.
+"""
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from urllib.parse import urlsplit
+
+import requests
+
+from .decoding import greedy_decode
+
+SCHEMES = ("sglang", "openai")
+# A fast tokenizer refuses concurrent use from several threads ("Already borrowed"): requests run in
+# a thread pool, so every tokenizer call made on their behalf holds this lock.
+TOKENIZER_LOCK = threading.Lock()
+PROBE_TEXT = "Speculative decoding drafts 8 tokens; the target verifies them: def f(x): return x ** 2 # ünïcödé"
+
+
+class BackendError(RuntimeError):
+    """A reference server that cannot be used: unreachable, refusing, or serving another model."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The completion ids of one greedy generation request (the stop token included, if one ended it).
+
+    No finish reason: servers disagree about a stop token emitted as the last allowed token (SGLang
+    reports "length"), so callers read it off the ids."""
+
+    token_ids: list[int]
+    verified: bool = True  # False: re-tokenised text whose round trip did not give the text back
+
+
+class LocalBackend:
+    """Greedy decoding with the target in this process (the embedded default)."""
+
+    concurrency = 1
+
+    def __init__(self, load_target: Callable, identity: dict):
+        self.load_target = load_target  # called on first use: a cached run never loads the target
+        self.identity = identity
+
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> Completion:
+        ids = greedy_decode(self.load_target(), list(prompt_ids), max_new_tokens, list(stop_token_ids))
+        return Completion(ids[len(prompt_ids):])
+
+
+class HTTPBackend:
+    """What the server backends share: the connection pool, retries, and the tokenizer check."""
+
+    def __init__(self, base_url: str, tokenizer, concurrency: int = 8, timeout: float = 600.0,
+                 retries: int = 4, backoff: float = 0.5):
+        self.base_url = base_url.rstrip("/")
+        self.tokenizer = tokenizer
+        self.concurrency = concurrency
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.session = requests.Session()
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+
+    def request(self, method: str, path: str, payload: dict | None = None) -> dict:
+        """JSON answer of the server, retrying what a retry can fix."""
+        url = f"{self.base_url}{path}"
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.session.request(method, url, json=payload, timeout=(10.0, self.timeout))
+            except (requests.ConnectionError, requests.Timeout) as e:
+                problem = f"{type(e).__name__}: {e}"
+            else:
+                if response.status_code < 400:
+                    try:
+                        return response.json()
+                    except ValueError:
+                        raise BackendError(f"{url} answered {response.status_code} with a body that is not JSON: "
+                                           f"{response.text[:200]!r}") from None
+                if response.status_code < 500:
+                    raise BackendError(f"{url} refused the request with {response.status_code}: "
+                                       f"{_error_message(response)}")
+                problem = f"HTTP {response.status_code}: {_error_message(response)}"
+            if attempt < self.retries:
+                time.sleep(self.backoff * 2**attempt)
+        raise BackendError(f"{url} failed {self.retries + 1} times, last: {problem}. Is the server up? Rerun the "
+                           f"same command when it is: finished references are kept")
+
+    def completion_from_text(self, text: str) -> Completion:
+        """A completion the server gave only as text: re-tokenised, and verified by decoding it back."""
+        with TOKENIZER_LOCK:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return Completion(ids, verified=self.tokenizer.decode(ids) == text)
+
+    def tokenize(self, text: str) -> list[int]:
+        """The server's own tokenization of text, without special tokens (SGLang and vLLM: POST /tokenize)."""
+        return [int(t) for t in self.request("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]]
+
+    def check_matches(self, vocab_size: int) -> None:
+        """Refuse a server whose tokenizer differs from the target's (a probe prompt's ids).
+
+        Neither SGLang nor vLLM reports its vocabulary size; the probe's ids (multi-byte characters,
+        code, digits) catch another tokenizer, and must lie in the target's vocabulary."""
+        expected = self.tokenizer.encode(PROBE_TEXT, add_special_tokens=False)
+        served = self.tokenize(PROBE_TEXT)
+        if served != expected:
+            raise BackendError(
+                f"{self.base_url} tokenizes the probe text differently from the target's tokenizer "
+                f"({len(served)} vs {len(expected)} tokens, first ids {served[:8]} vs {expected[:8]}): "
+                f"it serves another model or tokenizer; point --reference at a server of the target"
+            )
+        if vocab_size and max(expected) >= vocab_size:
+            raise BackendError(f"probe ids reach {max(expected)}, beyond the target's vocabulary of {vocab_size}")
+
+
+class SGLangBackend(HTTPBackend):
+    """SGLang's native API: POST /generate with input_ids, greedy."""
+
+    kind = "sglang"
+
+    @cached_property
+    def identity(self) -> dict:
+        """The served model, as the server reports it (part of the references' key)."""
+        info = self.request("GET", "/get_model_info")
+        return {"kind": self.kind, "model_path": info.get("model_path"), "tokenizer_path": info.get("tokenizer_path"),
+                "weight_version": info.get("weight_version")}
+
+    def generate(self, prompt_ids, max_new_tokens, stop_token_ids) -> Completion:
+        answer = self.request("POST", "/generate", {
+            "input_ids": list(prompt_ids),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                                "stop_token_ids": list(stop_token_ids), "ignore_eos": not stop_token_ids,
+                                "skip_special_tokens": False},
+        })
+        if "output_ids" in answer:
+            return Completion([int(t) for t in answer["output_ids"]])
+        # releases before output_ids: text only, without the stop token that ended it, so put it back
+        completion = self.completion_from_text(answer["text"])
+        finish = answer["meta_info"].get("finish_reason") or {}
+        if finish.get("type") == "stop" and isinstance(finish.get("matched"), int):
+            completion = Completion(completion.token_ids + [finish["matched"]], completion.verified)
+        return completion
+
+
+class OpenAIBackend(HTTPBackend):
+    """An OpenAI-compatible completions API (vLLM, SGLang): POST /v1/completions with token-id prompts."""
+
+    kind = "openai"
+
+    @cached_property
+    def identity(self) -> dict:
+        """The served model, as the server reports it (part of the references' key)."""
+        models = self.request("GET", "/models")["data"]
+        if not models:
+            raise BackendError(f"{self.base_url}/models lists no model")
+        return {"kind": self.kind, "model": models[0]["id"], "root": models[0].get("root")}
+
+    def tokenize(self, text: str) -> list[int]:
+        # vLLM serves /tokenize beside /v1, not under it
+        root = self.base_url.removesuffix("/v1")
+        answer = HTTPBackend(root, self.tokenizer, concurrency=1, timeout=self.timeout, retries=self.retries,
+                             backoff=self.backoff).request("POST", "/tokenize", {
+            "model": self.model_name(), "prompt": text, "add_special_tokens": False})
+        return [int(t) for t in answer["tokens"]]
+
+    def model_name(self) -> str:
+        return self.identity["model"]
+
+    def generate(self, prompt_ids, max_new_tokens, stop_token_ids) -> Completion:
+        answer = self.request("POST", "/completions", {
+            "model": self.model_name(), "prompt": list(prompt_ids), "max_tokens": max_new_tokens,
+            "temperature": 0.0, "stop_token_ids": list(stop_token_ids), "ignore_eos": not stop_token_ids,
+            "skip_special_tokens": False, "return_token_ids": True,
+        })
+        choice = answer["choices"][0]
+        if choice.get("token_ids") is not None:
+            return Completion([int(t) for t in choice["token_ids"]])
+        # text only: the stop token is not in the text (vLLM leaves it out), so put it back
+        completion = self.completion_from_text(choice["text"])
+        stop = choice.get("stop_reason")
+        if choice.get("finish_reason") == "stop" and stop_token_ids:
+            ids = completion.token_ids + [stop if isinstance(stop, int) else stop_token_ids[0]]
+            completion = Completion(ids, completion.verified)
+        return completion
+
+
+def parse_reference(spec: str) -> tuple[str, str | None]:
+    """("local", None) or (scheme, base URL) for --reference; ValueError with the accepted forms."""
+    if spec == "local":
+        return "local", None
+    scheme, _, url = spec.partition("+")
+    parts = urlsplit(url)
+    if scheme not in SCHEMES or parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"--reference {spec!r}: use local, sglang+http://HOST:PORT or openai+http://HOST:PORT/v1")
+    return scheme, url
+
+
+def open_backend(spec: str, tokenizer, **http_options) -> HTTPBackend:
+    """The server backend for a --reference spec other than local."""
+    scheme, url = parse_reference(spec)
+    return {"sglang": SGLangBackend, "openai": OpenAIBackend}[scheme](url, tokenizer, **http_options)
+
+
+def _error_message(response: requests.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300]
+    error = body.get("error", body) if isinstance(body, dict) else body
+    return str(error.get("message", error) if isinstance(error, dict) else error)[:300]

@@ -1,0 +1,197 @@
+"""Reference backends against real servers on loopback: the same references from every backend,
+resumption across a server restart, mismatched servers refused before any work, faults retried.
+
+The servers are `dflash_core.reference_server.ReferenceServer` (SGLang /generate and OpenAI
+/v1/completions wire formats) serving the tiny trained target.
+"""
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash_core import tiny_target
+from dflash_core.prompts import resolve_prompts
+from dflash_core.reference_backends import BackendError, OpenAIBackend, SGLangBackend
+from dflash_core.reference_server import ReferenceServer
+from dflash_core.target import read_target_config
+
+pytestmark = pytest.mark.slow
+
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_run, tmp_path_factory):
+    """The tiny run with a small prompt file: 5 token-id prompts and 2 two-turn conversations."""
+    directory = tmp_path_factory.mktemp("backends")
+    lines = tiny_qwen3_run.prompts_file.read_text().splitlines()[:5]
+    lines += resolve_prompts("multiturn").read_text().splitlines()[:2]
+    tiny_qwen3_run.small_prompts = directory / "prompts.jsonl"
+    tiny_qwen3_run.small_prompts.write_text("\n".join(lines) + "\n")
+    return tiny_qwen3_run
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    with ReferenceServer(tiny.target_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def text_only_server(tiny):
+    """A server that answers text only: clients re-tokenise and verify the round trip."""
+    with ReferenceServer(tiny.target_dir, return_token_ids_supported=False) as s:
+        yield s
+
+
+def references(tiny, store, reference, lookahead=False, concurrency=8, prompts=None):
+    """Run the flow up to the references stage; read back [(id, prompt len, token ids, completion end, finish, verified)]."""
+    from flows.evaluate import evaluate_checkpoint
+    from tasks.references import ReferenceSet, load_references
+    from storage import Store
+
+    results = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]),
+                                  prompts=str(prompts or tiny.small_prompts), max_new_tokens=MAX_NEW, store=str(store),
+                                  reference=reference, lookahead=lookahead, concurrency=concurrency, until="references")
+    key = results["keys"]["references"]
+    record = Store(store).read_record("references", key)
+    refs = ReferenceSet(key, str(Store(store).entry("references", key)), record["n_prompts"], record["n"],
+                        record["lookahead"])
+    return [(i.id, i.reference.prompt_len, list(i.reference.token_ids), i.reference.end, i.finish, i.verified)
+            for i in load_references(refs)]
+
+
+def test_every_backend_gives_the_local_references(tiny, server, text_only_server, tmp_path, prefect_api_url):
+    local = references(tiny, tmp_path / "local", "local")
+    assert [r[0] for r in local][-4:] == ["multiturn-001#1", "multiturn-001#2", "multiturn-002#1", "multiturn-002#2"]
+    assert {r[4] for r in local} == {"stop", "length"}  # both endings occur
+    for spec in (f"sglang+{server.url}", f"openai+{server.url}/v1",
+                 f"sglang+{text_only_server.url}", f"openai+{text_only_server.url}/v1"):
+        assert references(tiny, tmp_path / spec.split("+")[0] / spec[-8:].replace("/", "_"), spec) == local, spec
+
+    # the whole flow scores every turn of a conversation as its own item
+    from flows.evaluate import evaluate_checkpoint
+
+    scored = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]),
+                                 prompts=str(tiny.small_prompts), max_new_tokens=MAX_NEW, store=str(tmp_path / "local"))
+    assert [p["id"] for p in scored["per_prompt"]] == [r[0] for r in local]
+    assert scored["stages"]["references"] == "cached" and scored["tau_macro"] > 1.5
+
+    # turn 2's prompt holds the target's own answer to turn 1
+    tokenizer = AutoTokenizer.from_pretrained(tiny.target_dir)
+    (_, prompt_len, ids, end, _, _), (_, prompt_len_2, ids_2, _, _, _) = local[-4], local[-3]
+    answer = tokenizer.decode(ids[prompt_len:end], skip_special_tokens=True).strip()
+    assert answer and answer in tokenizer.decode(ids_2[:prompt_len_2])
+
+    # lookahead: the same completions, followed by more greedy tokens, from both backends
+    looked = references(tiny, tmp_path / "local-lookahead", "local", lookahead=True)
+    assert references(tiny, tmp_path / "sglang-lookahead", f"sglang+{server.url}", lookahead=True) == looked
+    block = json.loads((tiny.drafter_steps[-1] / "config.json").read_text())["block_size"]
+    for (_, prompt_len, ids, end, finish, _), (_, _, plain, plain_end, plain_finish, _) in zip(looked, local):
+        assert (ids[:end], end, finish) == (plain, plain_end, plain_finish)
+        assert len(ids) == prompt_len + MAX_NEW + block - 1  # generated past the stop token
+
+
+def serve_in_process(target_dir, port) -> subprocess.Popen:
+    """`dflash-eval serve-reference` in its own process, once it accepts requests."""
+    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reference", "--target", str(target_dir),
+                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in process.stdout:
+        if "listening on" in line:
+            # keep reading its output, or a full pipe would block the server
+            threading.Thread(target=process.stdout.read, daemon=True).start()
+            return process
+    raise RuntimeError(f"serve-reference exited with {process.wait()}")
+
+
+def test_a_server_killed_mid_run_loses_no_finished_reference(tiny, tmp_path, prefect_api_url):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(tiny.prompts_file.read_text().splitlines(keepends=True)[:12]))
+    store = tmp_path / "store"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"sglang+http://127.0.0.1:{port}"
+    server = serve_in_process(tiny.target_dir, port)
+    failure = []
+    run = threading.Thread(target=lambda: failure.append(_raises(references, tiny, store, url, concurrency=2,
+                                                                 prompts=prompts)))
+    run.start()
+    deadline = time.monotonic() + 120
+    while len(list(store.glob("references/*/*/seq_*.json"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    server.kill()  # SIGKILL in the middle of the run
+    server.wait()
+    run.join(timeout=120)
+    assert isinstance(failure[0], BackendError) and "Is the server up?" in str(failure[0])
+    finished = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in store.glob("references/*/*/seq_*.json")}
+    assert 3 <= len(finished) < 12
+    assert not list(store.glob("references/*/*/entry.json"))  # nothing reads as complete
+
+    server = serve_in_process(tiny.target_dir, port)  # restarted at the same address
+    try:
+        resumed = references(tiny, store, url, concurrency=2, prompts=prompts)
+    finally:
+        server.kill()
+    after = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in store.glob("references/*/*/seq_*.json")}
+    assert len(after) == 12 and all(after[name] == kept for name, kept in finished.items())  # not redone
+    assert resumed == references(tiny, tmp_path / "local", "local", prompts=prompts)
+
+
+def _raises(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 (handed to the test thread)
+        return e
+    return None
+
+
+def test_a_server_of_another_tokenizer_is_refused_before_any_work(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    other = tiny_target.train_tokenizer("def other(corpus):\n    return corpus[::-1]\n" * 50, vocab_size=300)
+    other.save_pretrained(tmp_path / "other_tokenizer")
+    with ReferenceServer(tiny.target_dir, tokenizer_dir=tmp_path / "other_tokenizer") as mismatched:
+        for spec in (f"sglang+{mismatched.url}", f"openai+{mismatched.url}/v1"):
+            result = CliRunner().invoke(app, [
+                "run", "--target", str(tiny.target_dir), "--drafter", str(tiny.drafter_steps[-1]),
+                "--prompts", str(tiny.small_prompts), "--store", str(tmp_path / "store"), "--reference", spec])
+            assert result.exit_code == 2, result.output
+            assert "tokenizes the probe text differently from the target's tokenizer" in result.output
+        assert mismatched.requests_served == 0  # no generation request was sent
+    assert not (tmp_path / "store").exists()
+
+
+def test_faults_are_retried_and_refusals_are_not(tiny, server):
+    tokenizer = AutoTokenizer.from_pretrained(tiny.target_dir)
+    stop = list(read_target_config(tiny.target_dir).eos_token_ids)
+    prompt = json.loads(tiny.prompts_file.read_text().splitlines()[0])["input_ids"]
+    for backend in (SGLangBackend(server.url, tokenizer, timeout=2.0, retries=3, backoff=0.01),
+                    OpenAIBackend(f"{server.url}/v1", tokenizer, timeout=2.0, retries=3, backoff=0.01)):
+        expected = backend.generate(prompt, 16, stop)
+        before = server.requests_served
+        for fault in ("drop", "500", "stall"):  # a cut connection, a server error, a server that hangs
+            server.faults.put(fault)
+        assert backend.generate(prompt, 16, stop) == expected
+        assert server.requests_served - before == 4  # three faults, then the answer
+
+    # a refusal (4xx) is reported at once, with the server's message: a retry cannot fix it
+    backend = OpenAIBackend(f"{server.url}/v1", tokenizer, retries=3, backoff=0.01)
+    before = server.requests_served
+    with pytest.raises(BackendError, match="refused the request with 400"):
+        backend.request("POST", "/completions", {"model": backend.model_name(), "prompt": prompt, "max_tokens": 4,
+                                                 "temperature": 0.7})
+    assert server.requests_served - before == 1
+
+    # nobody listening: a clear error after the retries
+    dead = SGLangBackend("http://127.0.0.1:9", tokenizer, retries=1, backoff=0.01)
+    with pytest.raises(BackendError, match=r"failed 2 times.*Is the server up\? Rerun the same command"):
+        dead.generate(prompt, 4, stop)

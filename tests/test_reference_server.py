@@ -1,0 +1,470 @@
+"""The reference server: a real HTTP server on loopback, checked against local greedy decoding.
+
+The target is a tiny randomly initialised Qwen3 with a tokenizer trained in a fraction of a second.
+Its lm_head rows of eos and of one token are swapped so that one prompt's greedy continuation
+ends with eos after a few tokens (swapping two rows only relabels two logits: greedy decoding
+stays greedy decoding, now with an eos in it).
+"""
+
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+from transformers import Qwen3ForCausalLM
+
+from dflash_core import tiny_target
+from dflash_core.decoding import greedy_decode
+from dflash_core.reference_server import ReferenceServer
+from dflash_core.target import Target, load_target
+
+REPO = Path(__file__).resolve().parents[1]
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, max_position_embeddings=64, initializer_range=0.05)
+MAX_NEW = 12
+PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "for i in range("]
+STALL_SECONDS = 3.0
+TIMEOUT = 30  # generous: the machine is shared
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def corpus_text():
+    return tiny_target.build_corpus(max_bytes=60_000)[0]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus_text):
+    return tiny_target.train_tokenizer(corpus_text)
+
+
+def _ends_with_eos_soon(model, tokenizer, text):
+    """The position k >= 2 of a token first seen there in `text`'s greedy continuation, or None."""
+    target = Target.from_model(model)
+    prompt = tokenizer.encode(text)
+    completion = greedy_decode(target, prompt, MAX_NEW)[len(prompt):]
+    for k in range(2, MAX_NEW - 2):
+        if completion[k] not in completion[:k] and tokenizer.eos_token_id not in completion[:k + 1]:
+            return completion[k]
+    return None
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory, tokenizer):
+    eos = tokenizer.eos_token_id
+    for seed in range(20):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(tiny_target.qwen3_config(len(tokenizer), eos, **SMALL)).eval()
+        token = _ends_with_eos_soon(model, tokenizer, PROMPTS[0])
+        if token is not None:
+            break
+    else:
+        pytest.fail("no seed gives a continuation to end with eos")
+    with torch.no_grad():
+        head = model.lm_head.weight
+        head[[eos, token]] = head[[token, eos]].clone()
+    return tiny_target.save_target(model, tokenizer, tmp_path_factory.mktemp("target") / "tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def local(target_dir):
+    """The target loaded here, to compute what the server must answer."""
+    return load_target(target_dir, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def server(target_dir):
+    with ReferenceServer(target_dir, stall_seconds=STALL_SECONDS) as server:
+        yield server
+
+
+def expected(local, prompt_ids, max_new=MAX_NEW, stops=None):
+    stops = (local_eos(local),) if stops is None else stops
+    return greedy_decode(local, prompt_ids, max_new, stop_token_ids=stops)[len(prompt_ids):]
+
+
+def local_eos(local):
+    return local.model.config.eos_token_id
+
+
+def post(server, path, body, timeout=TIMEOUT):
+    return requests.post(server.url + path, json=body, timeout=timeout)
+
+
+def generate(server, body):
+    response = post(server, "/generate", body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def greedy_params(**extra):
+    return {"temperature": 0, "max_new_tokens": MAX_NEW, **extra}
+
+
+# --- SGLang /generate
+
+
+def test_generate_with_input_ids_is_greedy_decode(server, local, tokenizer):
+    eos = tokenizer.eos_token_id
+    finishes = []
+    for text in PROMPTS:
+        ids = tokenizer.encode(text)
+        want = expected(local, ids)
+        out = generate(server, {"input_ids": ids, "sampling_params": greedy_params()})
+        assert out["output_ids"] == want
+        meta = out["meta_info"]
+        assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == len(want)
+        assert re.fullmatch(r"[0-9a-f]{32}", meta["id"])
+        if want[-1] == eos:
+            assert meta["finish_reason"] == {"type": "stop", "matched": eos}
+            assert out["text"] == tokenizer.decode(want[:-1], skip_special_tokens=True)
+        else:
+            assert len(want) == MAX_NEW and meta["finish_reason"] == {"type": "length", "length": MAX_NEW}
+            assert out["text"] == tokenizer.decode(want, skip_special_tokens=True)
+        finishes.append(meta["finish_reason"]["type"])
+    assert finishes[0] == "stop" and 2 <= len(expected(local, tokenizer.encode(PROMPTS[0]))) < MAX_NEW
+    assert "length" in finishes
+
+
+def test_generate_with_text_tokenizes_like_the_tokenizer(server, local, tokenizer):
+    for text in PROMPTS[1:3]:
+        out = generate(server, {"text": text, "sampling_params": greedy_params(max_new_tokens=7)})
+        ids = tokenizer.encode(text)
+        assert out["output_ids"] == expected(local, ids, max_new=7)
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def test_generate_ignore_eos_runs_to_max_new_tokens(server, local, tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode(PROMPTS[0])
+    stopped = expected(local, ids)
+    out = generate(server, {"input_ids": ids, "sampling_params": greedy_params(ignore_eos=True)})
+    assert out["output_ids"] == expected(local, ids, stops=())
+    assert len(out["output_ids"]) == MAX_NEW and out["output_ids"][:len(stopped)] == stopped
+    assert out["output_ids"][len(stopped) - 1] == eos  # generated, but not a stop any more
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": MAX_NEW}
+
+
+def test_generate_ignore_eos_also_ignores_stop_token_ids_like_sglang(server, local, tokenizer):
+    ids = tokenizer.encode(PROMPTS[3])
+    free = expected(local, ids, stops=())
+    out = generate(server, {"input_ids": ids, "sampling_params": greedy_params(ignore_eos=True, stop_token_ids=[free[2]])})
+    assert out["output_ids"] == free and out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_a_stop_token_as_the_last_allowed_token(server, local, tokenizer):
+    """SGLang checks the length first ("length"); current vLLM checks stop tokens first ("stop")."""
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode(PROMPTS[0])
+    want = expected(local, ids)
+    assert want[-1] == eos
+    out = generate(server, {"input_ids": ids, "sampling_params": greedy_params(max_new_tokens=len(want))})
+    assert out["output_ids"] == want and out["meta_info"]["finish_reason"] == {"type": "length", "length": len(want)}
+    choice = post(server, "/v1/completions", {"prompt": ids, "max_tokens": len(want), "temperature": 0,
+                                              "return_token_ids": True}).json()["choices"][0]
+    assert choice["token_ids"] == want and choice["finish_reason"] == "stop" and choice["stop_reason"] is None
+
+
+def test_generate_stops_at_requested_stop_token(server, local, tokenizer):
+    # a prompt whose continuation holds no eos, so that only the requested stop token can end it
+    ids = next(ids for ids in map(tokenizer.encode, PROMPTS[1:]) if len(expected(local, ids)) == MAX_NEW)
+    free = expected(local, ids)
+    stop = free[3]
+    cut = free.index(stop) + 1
+    out = generate(server, {"input_ids": ids, "sampling_params": greedy_params(stop_token_ids=[stop])})
+    assert out["output_ids"] == free[:cut] == expected(local, ids, stops=(local_eos(local), stop))
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert out["text"] == tokenizer.decode(free[:cut - 1], skip_special_tokens=True)
+
+
+def test_generate_logprobs_are_the_targets(server, local, tokenizer):
+    ids = tokenizer.encode(PROMPTS[2])
+    out = generate(server, {"input_ids": ids, "sampling_params": greedy_params(max_new_tokens=5),
+                            "return_logprob": True, "return_text_in_logprobs": True})
+    entries = out["meta_info"]["output_token_logprobs"]
+    assert [e[1] for e in entries] == out["output_ids"]
+    full = torch.tensor([ids + out["output_ids"][:-1]])
+    logprobs = torch.log_softmax(local.forward(full).logits[0, len(ids) - 1:].float(), dim=-1)
+    for i, (value, token, text) in enumerate(entries):
+        assert value == pytest.approx(float(logprobs[i].max()), abs=1e-4)  # greedy: the top token
+        assert text == tokenizer.decode([token])
+
+
+# --- OpenAI /v1/completions (vLLM)
+
+
+def test_completions_return_token_ids(server, local, tokenizer):
+    eos = tokenizer.eos_token_id
+    for text in PROMPTS[:2]:
+        ids = tokenizer.encode(text)
+        want = expected(local, ids)
+        response = post(server, "/v1/completions", {"model": "tiny-qwen3", "prompt": ids, "max_tokens": MAX_NEW,
+                                                    "temperature": 0, "return_token_ids": True})
+        assert response.status_code == 200, response.text
+        out = response.json()
+        assert out["object"] == "text_completion" and out["model"] == "tiny-qwen3" and out["id"].startswith("cmpl-")
+        choice = out["choices"][0]
+        assert choice["token_ids"] == want and choice["prompt_token_ids"] == ids
+        stopped = want[-1] == eos
+        assert choice["finish_reason"] == ("stop" if stopped else "length") and choice["stop_reason"] is None
+        assert choice["text"] == tokenizer.decode(want[:-1] if stopped else want, skip_special_tokens=True)
+        assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want),
+                                "total_tokens": len(ids) + len(want)}
+
+
+def test_completions_text_prompt_stop_token_and_logprobs(server, local, tokenizer):
+    ids = tokenizer.encode(PROMPTS[3])
+    free = expected(local, ids, stops=())
+    stop = free[4]
+    cut = free.index(stop) + 1
+    out = post(server, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": MAX_NEW, "temperature": 0.0,
+                                           "stop_token_ids": [stop], "ignore_eos": True, "logprobs": 2,
+                                           "return_token_ids": True}).json()
+    choice = out["choices"][0]
+    assert choice["token_ids"] == free[:cut] and choice["prompt_token_ids"] == ids
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == cut and all(v <= 0 for v in logprobs["token_logprobs"])
+    assert logprobs["tokens"] == [tokenizer.decode([t]) for t in free[:cut]]
+    assert all(max(top.values()) == pytest.approx(v) for top, v in zip(logprobs["top_logprobs"], logprobs["token_logprobs"]))
+
+
+def test_completions_unknown_model_is_404(server):
+    response = post(server, "/v1/completions", {"model": "other", "prompt": [5, 6], "temperature": 0})
+    assert response.status_code == 404
+    assert response.json()["error"]["type"] == "NotFoundError"
+
+
+def test_text_only_server_gives_no_ids_and_clients_must_retokenize(target_dir, local, tokenizer):
+    with ReferenceServer(target_dir, return_token_ids_supported=False) as server:
+        ids = tokenizer.encode(PROMPTS[1])
+        want = expected(local, ids)
+        choice = post(server, "/v1/completions", {"prompt": ids, "max_tokens": MAX_NEW, "temperature": 0,
+                                                  "return_token_ids": True}).json()["choices"][0]
+        assert "token_ids" not in choice and "prompt_token_ids" not in choice
+        assert choice["text"] == tokenizer.decode(want, skip_special_tokens=True)
+        # What a client falls back to: re-tokenising the text gives ids that decode to the same text,
+        # which need not be the ids the target generated.
+        retokenized = tokenizer.encode(choice["text"])
+        assert tokenizer.decode(retokenized) == choice["text"]
+        out = generate(server, {"input_ids": ids, "sampling_params": greedy_params()})
+        assert "output_ids" not in out and out["text"] == choice["text"]
+        assert out["meta_info"]["completion_tokens"] == len(want)
+
+
+# --- refusals and errors
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.7}}),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}),  # default temperature 1.0
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.5, "top_p": 0.9}}),
+    ("/v1/completions", {"prompt": [5, 6, 7], "temperature": 1.0}),
+    ("/v1/completions", {"prompt": [5, 6, 7]}),
+])
+def test_sampling_is_refused(server, path, body):
+    response = post(server, path, body)
+    assert response.status_code == 400
+    assert "only does greedy decoding" in response.json()["error"]["message"]
+
+
+def test_top_k_1_is_greedy(server, local):
+    out = generate(server, {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.8, "top_k": 1,
+                                                                         "max_new_tokens": 4}})
+    assert out["output_ids"] == expected(local, [5, 6, 7], max_new=4)
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/generate", b"{not json", "not valid JSON"),
+    ("/generate", [1, 2], "JSON object"),
+    ("/generate", {"sampling_params": {"temperature": 0}}, "Either text or input_ids"),
+    ("/generate", {"text": "a", "input_ids": [1], "sampling_params": {"temperature": 0}}, "Either text or input_ids"),
+    ("/generate", {"text": ["a", "b"], "sampling_params": {"temperature": 0}}, "batch"),
+    ("/generate", {"input_ids": [[1, 2], [3]], "sampling_params": {"temperature": 0}}, "batch"),
+    ("/generate", {"input_ids": [1, 99999], "sampling_params": {"temperature": 0}}, "vocabulary"),
+    ("/generate", {"input_ids": [1, "x"], "sampling_params": {"temperature": 0}}, "input_ids"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": 0, "max_new_tokens": -1}}, "max_new_tokens"),
+    ("/generate", {"input_ids": [1] * 60, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}, "context"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"temperature": 0, "stop": ["\n"]}}, "stop"),
+    ("/generate", {"input_ids": [1], "stream": True, "sampling_params": {"temperature": 0}}, "stream"),
+    ("/v1/completions", {"temperature": 0}, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], [3, 4]], "temperature": 0}, "batch"),
+    ("/v1/completions", {"prompt": [1, 2], "temperature": 0, "n": 2}, "n=2"),
+    ("/v1/completions", {"prompt": [1, 2], "temperature": 0, "ignore_eos": "yes"}, "ignore_eos"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+])
+def test_malformed_requests_get_400(server, path, body, needle):
+    if isinstance(body, bytes):
+        response = requests.post(server.url + path, data=body, timeout=TIMEOUT)
+    else:
+        response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert needle in response.json()["error"]["message"]
+
+
+def test_unknown_path_and_wrong_method(server):
+    response = requests.get(server.url + "/v1/chat/nothing", timeout=TIMEOUT)
+    assert response.status_code == 404 and "Not Found" in response.json()["error"]["message"]
+    assert post(server, "/nope", {}).status_code == 404
+    assert requests.get(server.url + "/generate", timeout=TIMEOUT).status_code == 405
+    assert post(server, "/health", {}).status_code == 405
+
+
+# --- information endpoints
+
+
+def test_health_model_info_models_tokenize(server, target_dir, tokenizer):
+    health = requests.get(server.url + "/health", timeout=TIMEOUT)
+    assert health.status_code == 200 and health.content == b""
+    info = requests.get(server.url + "/get_model_info", timeout=TIMEOUT).json()
+    assert info["model_path"] == info["tokenizer_path"] == str(target_dir)
+    assert info["is_generation"] is True and info["architectures"] == ["Qwen3ForCausalLM"]
+    models = requests.get(server.url + "/v1/models", timeout=TIMEOUT).json()
+    assert models["object"] == "list"
+    assert models["data"][0]["id"] == "tiny-qwen3" and models["data"][0]["root"] == str(target_dir)
+    assert models["data"][0]["max_model_len"] == SMALL["max_position_embeddings"]
+    tokenized = post(server, "/tokenize", {"model": "tiny-qwen3", "prompt": PROMPTS[0]}).json()
+    ids = tokenizer.encode(PROMPTS[0])
+    assert tokenized == {"tokens": ids, "count": len(ids), "max_model_len": SMALL["max_position_embeddings"]}
+    assert post(server, "/v1/tokenize", {"prompt": PROMPTS[:2]}).json()["count"] == [len(ids), len(tokenizer.encode(PROMPTS[1]))]
+    detokenized = post(server, "/detokenize", {"tokens": ids}).json()
+    assert detokenized["text"] == detokenized["prompt"] == PROMPTS[0]
+    assert requests.get(server.url + "/tokenizer_info", timeout=TIMEOUT).json()["tokenizer_class"]
+
+
+def test_a_different_tokenizer_is_served(target_dir, local, corpus_text, tmp_path):
+    other = tiny_target.train_tokenizer(corpus_text[:20_000], vocab_size=300)
+    other.save_pretrained(tmp_path / "other")
+    with ReferenceServer(target_dir, tokenizer_dir=tmp_path / "other") as server:
+        assert requests.get(server.url + "/get_model_info", timeout=TIMEOUT).json()["tokenizer_path"] == str(tmp_path / "other")
+        ids = other.encode(PROMPTS[0])
+        assert post(server, "/tokenize", {"prompt": PROMPTS[0]}).json()["tokens"] == ids
+        out = generate(server, {"text": PROMPTS[0], "sampling_params": greedy_params(max_new_tokens=4)})
+        assert out["meta_info"]["prompt_tokens"] == len(ids)
+        assert out["output_ids"] == expected(local, ids, max_new=4)
+
+
+# --- faults
+
+
+def test_drop_closes_the_connection_and_the_next_request_works(server, local):
+    before = server.requests_served
+    server.faults.put("drop")
+    with pytest.raises(requests.exceptions.ConnectionError):
+        post(server, "/generate", {"input_ids": [5, 6], "sampling_params": greedy_params(max_new_tokens=3)})
+    out = generate(server, {"input_ids": [5, 6], "sampling_params": greedy_params(max_new_tokens=3)})
+    assert out["output_ids"] == expected(local, [5, 6], max_new=3)
+    assert server.requests_served == before + 2 and server.faults.empty()
+
+
+def test_500_and_the_next_request_works(server, local):
+    before = server.requests_served
+    server.faults.put("500")
+    response = post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})
+    assert response.status_code == 500 and "injected fault" in response.json()["error"]["message"]
+    response = post(server, "/v1/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0,
+                                                "return_token_ids": True})
+    assert response.status_code == 200 and response.json()["choices"][0]["token_ids"] == expected(local, [5, 6], max_new=3)
+    assert server.requests_served == before + 2
+    assert requests.get(server.url + "/health", timeout=TIMEOUT).status_code == 200
+    assert server.requests_served == before + 2 and server.faults.empty()  # only generation requests count
+
+
+def test_stall_times_the_client_out_and_the_next_request_works(server, local):
+    server.faults.put("stall")
+    with pytest.raises(requests.exceptions.Timeout):
+        post(server, "/generate", {"input_ids": [7, 8], "sampling_params": greedy_params(max_new_tokens=3)}, timeout=0.5)
+    out = generate(server, {"input_ids": [7, 8], "sampling_params": greedy_params(max_new_tokens=3)})
+    assert out["output_ids"] == expected(local, [7, 8], max_new=3)
+
+
+def test_a_stalled_request_does_not_block_others_and_is_answered_after_the_stall(server, local):
+    server.faults.put("stall")
+    before = server.requests_served
+    result = {}
+
+    def stalled():
+        start = time.monotonic()
+        result["out"] = generate(server, {"input_ids": [9, 10], "sampling_params": greedy_params(max_new_tokens=3)})
+        result["seconds"] = time.monotonic() - start
+
+    thread = threading.Thread(target=stalled)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while server.requests_served == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    start = time.monotonic()
+    out = generate(server, {"input_ids": [11, 12], "sampling_params": greedy_params(max_new_tokens=3)})
+    assert time.monotonic() - start < STALL_SECONDS and "out" not in result
+    assert out["output_ids"] == expected(local, [11, 12], max_new=3)
+    thread.join(timeout=TIMEOUT)
+    assert result["seconds"] >= STALL_SECONDS
+    assert result["out"]["output_ids"] == expected(local, [9, 10], max_new=3)
+
+
+def test_eight_concurrent_requests_are_all_answered_correctly(server, local, tokenizer):
+    cases = [(tokenizer.encode(PROMPTS[i % len(PROMPTS)]) + [i + 20], 4 + i) for i in range(8)]
+    results = [None] * len(cases)
+
+    def run(i, ids, max_new):
+        if i % 2:
+            body = {"prompt": ids, "max_tokens": max_new, "temperature": 0, "return_token_ids": True}
+            results[i] = post(server, "/v1/completions", body).json()["choices"][0]["token_ids"]
+        else:
+            results[i] = generate(server, {"input_ids": ids, "sampling_params": greedy_params(max_new_tokens=max_new)})["output_ids"]
+
+    threads = [threading.Thread(target=run, args=(i, ids, max_new)) for i, (ids, max_new) in enumerate(cases)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=TIMEOUT)
+    assert results == [expected(local, ids, max_new=max_new) for ids, max_new in cases]
+
+
+# --- command line
+
+
+def test_cli_serves_until_terminated(target_dir):
+    command = [sys.executable, "-m", "flows.cli", "serve-reference", "--target", str(target_dir), "--port", "0",
+               "--served-model-name", "ref"]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    watchdog = threading.Timer(120, process.kill)  # never hang the test run on a silent server
+    watchdog.start()
+    try:
+        lines, match = [], None
+        for line in process.stdout:  # ends if the process dies
+            lines.append(line)
+            match = re.search(r"listening on (http://\S+)", line)
+            if match:
+                break
+        assert match, "".join(lines)
+        url = match.group(1)
+        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        assert requests.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"] == "ref"
+    finally:
+        watchdog.cancel()
+        process.terminate()
+        process.wait(timeout=TIMEOUT)
+        process.stdout.close()
+
+
+def test_cli_reports_a_missing_target(tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["serve-reference", "--target", str(tmp_path / "none"), "--port", "0"])
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
