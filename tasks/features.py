@@ -7,7 +7,6 @@ a deleted sequence, is resumed by extracting exactly the missing arrays.
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from prefect import task

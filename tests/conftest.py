@@ -14,6 +14,18 @@ os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 from tests import tiny_models
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Models this small run faster on one thread; on a busy machine, more threads only wait for each other.
+    Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def qwen3_dir(tmp_path_factory):
     return tiny_models.build_qwen3(tmp_path_factory.mktemp("qwen3"))

@@ -31,13 +31,7 @@ PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Parse
 STALL_SECONDS = 3.0
 TIMEOUT = 30  # generous: the machine is shared
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -30,14 +30,7 @@ SMALL_QWEN3_5 = dict(
 )
 TRAIN = dict(steps=4, batch_size=2, seq_len=32)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run faster on one thread; on a busy machine, more threads only wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
