@@ -14,6 +14,8 @@ app = typer.Typer(help="Evaluate DFlash speculative-decoding drafters offline.",
                   pretty_exceptions_enable=False)
 tiny_app = typer.Typer(help="The tiny trained target and drafter run (demo, tests, smoke tests).", no_args_is_help=True)
 app.add_typer(tiny_app, name="tiny")
+relay_app = typer.Typer(help="Move checkpoints from a training box to this one over HTTP.", no_args_is_help=True)
+app.add_typer(relay_app, name="relay")
 
 TARGET = typer.Option(..., "--target", help="Target model folder (Hugging Face format).")
 DRAFTER = typer.Option(..., "--drafter", help="Drafter checkpoint folder (config.json + model.safetensors).")
@@ -32,6 +34,8 @@ LOOKAHEAD = typer.Option(False, "--lookahead/--no-lookahead", help="Keep B-1 gre
                          "the last step is scored against a whole block (default: clipped, as online decoding).")
 CONCURRENCY = typer.Option(8, "--concurrency", help="Requests in flight to a reference server.")
 TEMPERATURE = typer.Option(0.0, "--temperature", help="Only 0 (greedy): anything else is refused.")
+RELAY_TOKEN_FILE = typer.Option(None, "--relay-token-file", help="File holding a relay's bearer token "
+                                "(else $DFLASH_RELAY_TOKEN), for --drafter http://RELAY/<path>.")
 
 
 def _evaluate(**kwargs) -> dict:
@@ -42,7 +46,8 @@ def _evaluate(**kwargs) -> dict:
     try:
         check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
                      kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"],
-                     kwargs.get("reference", "local"), kwargs.pop("temperature", 0.0))
+                     kwargs.get("reference", "local"), kwargs.pop("temperature", 0.0),
+                     relay_token_file=kwargs.get("relay_token_file"))
         return evaluate_checkpoint(**kwargs)
     except (InputError, DrafterError) as e:
         typer.secho(f"error: {e}", err=True, fg="red")
@@ -81,7 +86,7 @@ def run(
     store: str = STORE, out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
     reference: str = REFERENCE, lookahead: bool = LOOKAHEAD, concurrency: int = CONCURRENCY,
-    temperature: float = TEMPERATURE,
+    temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE,
 ):
     """Evaluate a drafter checkpoint: tau on the prompts, computing only what the store lacks.
 
@@ -90,7 +95,8 @@ def run(
     """
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
-                        reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature)
+                        reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
+                        relay_token_file=relay_token_file)
     _print_results(results)
     _write(results, out)
 
@@ -103,7 +109,7 @@ def stage(
     out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
     reference: str = REFERENCE, lookahead: bool = LOOKAHEAD, concurrency: int = CONCURRENCY,
-    temperature: float = TEMPERATURE,
+    temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE,
 ):
     """Run one stage by hand (and the stages it needs, from the store when they are there)."""
     from flows.evaluate import STAGES
@@ -113,7 +119,7 @@ def stage(
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
                         reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
-                        until=name, refresh=[name] if refresh else [])
+                        relay_token_file=relay_token_file, until=name, refresh=[name] if refresh else [])
     _print_results(results)
     _write(results, out)
 
@@ -168,6 +174,81 @@ def serve_reference(
     except (ValueError, OSError) as e:  # no such target, port in use
         typer.secho(f"error: {e}", err=True, fg="red")
         raise typer.Exit(2) from None
+
+
+def _token(token_file: str | None) -> str | None:
+    if token_file is None:
+        return None
+    token = Path(token_file).read_text().strip()
+    if not token:
+        raise typer.BadParameter(f"{token_file} is empty", param_hint="--token-file")
+    return token
+
+
+@relay_app.command("serve")
+def relay_serve(
+    root: Path = typer.Argument(None, help="Folder to serve checkpoints from (any depth); optional with --upstream."),
+    upstream: str = typer.Option(None, "--upstream", help="Pull checkpoints through from this relay (http://HOST:PORT)."),
+    upstream_token_file: str = typer.Option(None, "--upstream-token-file", help="File holding the upstream's token."),
+    token_file: str = typer.Option(None, "--token-file", help="File holding the bearer token clients must send."),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8700, "--port"),
+    state_dir: Path = typer.Option(None, "--state-dir", help="Digest cache and pulled-through files "
+                                   "(default ~/.cache/dflash-eval/relay)."),
+    settle_seconds: float = typer.Option(30, "--settle-seconds", help="A checkpoint is listed once none of its files "
+                                         "changed for this long (trainers write no completion marker)."),
+):
+    """Serve the checkpoints under ROOT (each a folder with config.json and safetensors) over HTTP.
+
+    A checkpoint's URL is the relay's URL + its folder relative to ROOT, e.g.
+    `dflash-eval run --drafter http://relay:8700/run1/step_1000 ...`.
+    """
+    import logging
+
+    from storage.relay_server import DEFAULT_STATE_DIR, RelayServer
+
+    if root is None and upstream is None:
+        raise typer.BadParameter("give a folder to serve, or --upstream", param_hint="ROOT")
+    if root is not None and not root.is_dir():
+        raise typer.BadParameter(f"{root} is not a directory", param_hint="ROOT")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    relay = RelayServer(root, host=host, port=port, token=_token(token_file), upstream=upstream,
+                        upstream_token=_token(upstream_token_file), state_dir=state_dir or DEFAULT_STATE_DIR,
+                        settle_seconds=settle_seconds)
+    typer.echo(f"relay listening on {relay.url}")
+    try:
+        relay.serve_forever()
+    except KeyboardInterrupt:
+        pass
+
+
+@relay_app.command("ls")
+def relay_ls(
+    url: str = typer.Argument(..., help="The relay, http://HOST:PORT."),
+    store: str = STORE,
+    token_file: str = typer.Option(None, "--token-file", help="File holding the relay's bearer token."),
+):
+    """List a relay's checkpoints: path, step, size, and whether this store already holds them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from storage import Store
+    from storage.relay_client import RelayClient, RelayError
+
+    try:
+        client = RelayClient(url, token=_token(token_file))
+        checkpoints = client.list_checkpoints()
+        held = [Store(store).is_complete("fetch", client.manifest(c["path"])["key"]) for c in checkpoints]
+    except RelayError as e:
+        typer.secho(f"error: {e}", err=True, fg="red")
+        raise typer.Exit(2) from None
+    table = Table(title=f"{url}: {len(checkpoints)} checkpoints")
+    for column in ("checkpoint", "step", "size", "in store"):
+        table.add_column(column)
+    for checkpoint, in_store in zip(checkpoints, held):
+        table.add_row(f"{url.rstrip('/')}/{checkpoint['path']}", str(checkpoint["step"] if checkpoint["step"] is not None else "-"),
+                      f"{checkpoint['total_bytes'] / 1e6:.1f} MB", "yes" if in_store else "no")
+    Console(width=200).print(table)
 
 
 @tiny_app.command("build")

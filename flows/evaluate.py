@@ -9,22 +9,24 @@ features show as `Cached`. Inputs are checked before any stage runs, so bad inpu
 untouched.
 """
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from prefect import flow
-from transformers import AutoTokenizer
 from prefect.runtime import flow_run
+from transformers import AutoTokenizer
 
 from dflash_core.drafter import DrafterConfig, DrafterError, check_compatible, read_drafter_config
 from dflash_core.prompts import PromptError
 from dflash_core.reference_backends import BackendError, open_backend
 from dflash_core.target import read_target_config
 from storage import Store, read_json
+from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
 from tasks.drafts import draft
 from tasks.features import extract_target_features
-from tasks.fetch import fetch_checkpoint, training_step
+from tasks.fetch import fetch_checkpoint, is_relay_url, local_path, relay_token, training_step
 from tasks.references import generate_references, load_prompts
 from tasks.scores import score
 from tasks.target import DTYPES
@@ -51,6 +53,7 @@ class CheckedInputs:
 def check_inputs(
     target: str, drafter: str, prompts: str, max_new_tokens: int, dtype: str, device: str,
     sliding_semantics: str, thinking: bool = False, reference: str = "local", temperature: float = 0.0,
+    relay_token_file: str | None = None,
 ) -> CheckedInputs:
     """Read everything an evaluation needs, without writing anything: raises InputError on bad input.
 
@@ -79,13 +82,8 @@ def check_inputs(
         target_config = read_target_config(target)
     except (ValueError, OSError) as e:
         raise InputError(f"target {target}: {e}") from None
-    drafter_dir = Path(drafter)
-    if not drafter_dir.is_dir():
-        raise InputError(f"drafter checkpoint {drafter} is not a directory: pass a folder with config.json and model.safetensors")
-    if not (drafter_dir / "model.safetensors").is_file() and not (drafter_dir / "model.safetensors.index.json").is_file():
-        raise InputError(f"drafter checkpoint {drafter} has no model.safetensors (or model.safetensors.index.json)")
     try:
-        drafter_config = read_drafter_config(drafter_dir)
+        drafter_config = _read_drafter_source(drafter, relay_token_file)
         check_compatible(drafter_config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
@@ -107,6 +105,31 @@ def check_inputs(
         except (ValueError, BackendError) as e:
             raise InputError(f"reference server: {e}") from None
     return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set))
+
+
+def _read_drafter_source(drafter: str, relay_token_file: str | None) -> DrafterConfig:
+    """The drafter's config, read from a local folder or from a relay (only config.json and the
+    manifest travel: nothing is downloaded into the store before the inputs are known to fit)."""
+    if is_relay_url(drafter):
+        try:
+            base_url, path = parse_checkpoint_url(drafter)
+            client = RelayClient(base_url, token=relay_token(relay_token_file))
+            names = {f["name"] for f in client.manifest(path)["files"]}
+            if "model.safetensors" not in names and "model.safetensors.index.json" not in names:
+                raise InputError(f"drafter checkpoint {drafter} has no model.safetensors (or model.safetensors.index.json)")
+            raw = json.loads(client.read_small_file(path, "config.json"))
+        except (RelayError, OSError) as e:
+            raise InputError(f"drafter {drafter}: {e}") from None
+        except ValueError as e:
+            raise InputError(f"drafter {drafter}: config.json is not JSON ({e})") from None
+        return DrafterConfig.from_dict(raw, source=f"{drafter}/config.json")
+    drafter_dir = local_path(drafter)
+    if not drafter_dir.is_dir():
+        raise InputError(f"drafter checkpoint {drafter} is not a directory: pass a folder with config.json and "
+                         "model.safetensors, or a relay URL http://HOST:PORT/<path>")
+    if not (drafter_dir / "model.safetensors").is_file() and not (drafter_dir / "model.safetensors.index.json").is_file():
+        raise InputError(f"drafter checkpoint {drafter} has no model.safetensors (or model.safetensors.index.json)")
+    return read_drafter_config(drafter_dir)
 
 
 def stages_to_run(until: str) -> list[str]:
@@ -140,6 +163,7 @@ def evaluate_checkpoint(
     reference: str = "local",
     lookahead: bool = False,
     concurrency: int = 8,
+    relay_token_file: str | None = None,
     until: str = "scores",
     refresh: list[str] | None = None,
 ) -> dict:
@@ -153,7 +177,7 @@ def evaluate_checkpoint(
     Returns the results record (also what `dflash-eval run --out` writes).
     """
     inputs = check_inputs(target, drafter, prompts, max_new_tokens, dtype, device, sliding_semantics, thinking,
-                          reference)
+                          reference, relay_token_file=relay_token_file)
     refresh = set(refresh or ())
     unknown = refresh - set(STAGES)
     if unknown:
@@ -170,7 +194,7 @@ def evaluate_checkpoint(
 
     layer_ids = tuple(inputs.drafter.target_layer_ids)
     if "fetch" in run:
-        checkpoint = step("fetch", fetch_checkpoint, drafter)
+        checkpoint = step("fetch", fetch_checkpoint, drafter, relay_token_file=relay_token_file)
         # the fetched copy is what gets drafted: take its layer ids (the source may have changed since)
         layer_ids = tuple(read_drafter_config(checkpoint.path).target_layer_ids)
     if "references" in run:
@@ -188,7 +212,7 @@ def evaluate_checkpoint(
     results = read_json(outputs["scores"].path) if "scores" in run else {}
     results.update({
         "drafter": {"source": drafter, "key": outputs["fetch"].key if "fetch" in run else None,
-                    "step": training_step(drafter)},
+                    "step": outputs["fetch"].step if "fetch" in run else training_step(drafter)},
         "target": str(target),
         "prompts": str(prompts),
         "reference": reference,
