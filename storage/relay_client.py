@@ -311,8 +311,7 @@ class RelayClient:
             pass
         partial.parent.mkdir(parents=True, exist_ok=True)
         for attempt in range(2):  # a digest mismatch is fetched once more, from scratch
-            self._fetch_partial(path, name, size, partial, advance)
-            if file_sha256(partial) == sha:
+            if self._fetch_partial(path, name, size, partial, advance) == sha:
                 os.replace(partial, final)
                 return final
             partial.unlink()
@@ -322,10 +321,22 @@ class RelayClient:
             "the file changes on the relay's side or the link corrupts data; check the source checkpoint"
         )
 
-    def _fetch_partial(self, path: str, name: str, size: int, partial: Path, advance: Callable[[int], None]) -> None:
-        """Bring `partial` to `size` bytes from the relay, resuming from its current length."""
+    def _fetch_partial(self, path: str, name: str, size: int, partial: Path, advance: Callable[[int], None]) -> str:
+        """Bring `partial` to `size` bytes from the relay, resuming from its current length; return its
+        sha256, computed as the bytes arrive (a second pass over the file would double the disk reads)."""
         url = self._url("files", path, name)
         counted = 0  # bytes of this file reported through `advance`
+        hasher, hashed = hashlib.sha256(), 0  # digest of the first `hashed` bytes of `partial`
+
+        def hash_up_to(have: int) -> None:
+            nonlocal hasher, hashed
+            if hashed != have:  # resumed from bytes this call did not receive: hash them from disk
+                hasher, hashed = hashlib.sha256(), 0
+                with open(partial, "rb") as f:
+                    while hashed < have:
+                        block = f.read(min(1 << 20, have - hashed))
+                        hasher.update(block)
+                        hashed += len(block)
 
         def on_disk() -> int:
             nonlocal counted
@@ -342,6 +353,9 @@ class RelayClient:
 
         failures = 0
         have = on_disk()
+        if have == size and partial.exists():
+            hash_up_to(have)
+            return hasher.hexdigest()
         while have < size or not partial.exists():
             moved = 0
             try:
@@ -361,18 +375,21 @@ class RelayClient:
                         mode = "wb"
                         advance(-counted)
                         counted = have = 0
+                    hash_up_to(have)
                     with open(partial, mode) as f:
                         for chunk in _body_chunks(r):
                             if have + len(chunk) > size:
                                 raise _Retry(f"{name}: the relay sent more than the manifest's {size} bytes")
                             f.write(chunk)
+                            hasher.update(chunk)
+                            hashed += len(chunk)
                             have += len(chunk)
                             moved += len(chunk)
                             counted += len(chunk)
                             advance(len(chunk))
                     if have < size:
                         raise _Retry(f"{name}: connection ended at byte {have} of {size}")
-                    return
+                    return hasher.hexdigest()
             except (requests.RequestException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, _Retry) as e:
                 if moved >= self.PROGRESS_RESETS_RETRIES:
                     failures = 0
