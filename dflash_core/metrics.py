@@ -7,14 +7,24 @@ target's bonus token, 1..B for block size B.
 - tau_pooled: total emitted tokens / total target steps (what vLLM and SpecForge report).
   Long completions weigh more in the pooled number.
 
+- position_acceptance: P(draft position k accepted | positions < k accepted), k = 1..B-1: where
+  a drafter loses its way inside the block.
+- 95% intervals: percentile bootstrap over prompts (the prompt is the unit that varies).
+- projected speedup: tau / (1 + c) for a drafter forward costing c target forwards.
+
 A reference ends where the target stopped, so a prompt's last step can only be compared against the
 tokens the reference holds: when that step accepted all of them and its block reached past the end,
 it is *clipped* (it might have been longer had the target gone on). Online decoding stops at the
 same place, so clipped steps are exactly what a real run emits; they are counted and reported.
 """
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# Draft/target forward-cost ratios the scores project speedups for (a 5-layer drafter over a 64-layer
+# target is ~0.05-0.1 of a target forward).
+SPEEDUP_COST_RATIOS = (0.05, 0.1, 0.2)
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,40 @@ def histogram(prompts: Sequence[PromptScore], block_size: int) -> list[int]:
     return counts
 
 
+def position_acceptance(prompts: Sequence[PromptScore], block_size: int) -> list[float | None]:
+    """rates[k - 1] = P(draft position k accepted | positions < k accepted), k = 1..B-1.
+
+    A step of length L accepted positions 1..L-1 and was rejected at position L (when L < B). A
+    clipped last step compared no position after its last accepted one, so it counts only as reached
+    for positions 1..L-1. None where no step reached position k."""
+    reached, accepted = [0] * (block_size - 1), [0] * (block_size - 1)
+    for p in prompts:
+        for i, length in enumerate(p.acceptance_lengths):
+            clipped = i == len(p.acceptance_lengths) - 1 and p.last_step_clipped(block_size)
+            for k in range(1, min(length if not clipped else length - 1, block_size - 1) + 1):
+                reached[k - 1] += 1
+            for k in range(1, length):
+                accepted[k - 1] += 1
+    return [a / r if r else None for a, r in zip(accepted, reached)]
+
+
+def bootstrap_interval(prompts: Sequence[PromptScore], statistic, draws: int = 1000, seed: int = 0,
+                       level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of statistic(prompts) over prompts resampled with replacement."""
+    rng = random.Random(seed)
+    values = sorted(statistic([rng.choice(prompts) for _ in prompts]) for _ in range(draws))
+    low = values[int((1 - level) / 2 * draws)]
+    high = values[min(draws - 1, int((1 + level) / 2 * draws))]
+    return low, high
+
+
+def projected_speedup(tau: float, cost_ratio: float) -> float:
+    """Tokens per unit of target time: each step costs one target forward (verifying the block) plus
+    one drafter forward (DFlash drafts the whole block in one pass) of `cost_ratio` target forwards,
+    and emits tau tokens; plain decoding emits one token per target forward. speedup = tau / (1 + c)."""
+    return tau / (1.0 + cost_ratio)
+
+
 CLIPPING_NOTE = (
     "Each reference ends where the target stopped, so a prompt's last step is scored against the tokens the "
     "reference holds (clipped); online decoding stops at the same place."
@@ -77,10 +121,17 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
     scored = [p for p in prompts if p.acceptance_lengths]
     if not scored:
         raise ValueError("no prompt has a decode step to score (every reference ends right after its prompt)")
+    categories = sorted({p.category for p in scored if p.category is not None})
     return {
         "tau_macro": tau_macro(scored),
         "tau_pooled": tau_pooled(scored),
+        "tau_macro_ci95": bootstrap_interval(scored, tau_macro),
+        "tau_pooled_ci95": bootstrap_interval(scored, tau_pooled),
         "block_size": block_size,
+        "position_acceptance": position_acceptance(scored, block_size),
+        "tau_by_category": {c: tau_macro([p for p in scored if p.category == c]) for c in categories},
+        "projected_speedup": {str(c): projected_speedup(tau_macro(scored), c) for c in SPEEDUP_COST_RATIOS},
+        "speedup_note": "tau_macro / (1 + c) for a drafter forward costing c target forwards (metrics.projected_speedup)",
         "histogram": {str(k): n for k, n in enumerate(histogram(scored, block_size), start=1)},
         "n_prompts": len(prompts),
         "n_scored_prompts": len(scored),

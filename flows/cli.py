@@ -66,8 +66,9 @@ def _print_results(results: dict) -> None:
     console = Console()
     console.print(table)
     if "tau_macro" in results:
+        low, high = results["tau_macro_ci95"]
         console.print(
-            f"tau macro {results['tau_macro']:.3f}, pooled {results['tau_pooled']:.3f} "
+            f"tau macro {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f} "
             f"(block {results['block_size']}, {results['n_scored_prompts']} prompts, {results['n_steps']} steps, "
             f"{results['clipped_last_steps']} clipped last steps; {results['sliding_semantics']} sliding layers)"
         )

@@ -15,7 +15,7 @@ from .stage import cached, run_entry
 
 STAGE = "scores"
 # Bump when the metrics change (part of the key).
-SCORES_VERSION = 1
+SCORES_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,16 @@
 
 import pytest
 
-from dflash_core.metrics import PromptScore, histogram, summarize, tau_macro, tau_pooled
+from dflash_core.metrics import (
+    PromptScore,
+    bootstrap_interval,
+    histogram,
+    position_acceptance,
+    projected_speedup,
+    summarize,
+    tau_macro,
+    tau_pooled,
+)
 
 
 def prompt(lengths, starts, reference_len, id="p", category=None):
@@ -38,3 +47,32 @@ def test_summary_leaves_out_prompts_without_a_step_and_reports_them():
     assert summary["per_prompt"][1]["tau"] is None
     with pytest.raises(ValueError, match="no prompt"):
         summarize([empty], block_size=4)
+
+
+def test_position_acceptance_is_conditional_on_the_earlier_positions():
+    # B = 4: lengths 3, 1, 4 -> position 1 accepted in 2 of 3 steps; position 2 in 2 of the 2 that got
+    # there; position 3 in 1 of 2
+    assert position_acceptance([prompt([3, 1, 4], [5, 8, 9], 40)], block_size=4) == [2 / 3, 1.0, 0.5]
+    # a clipped last step (2 tokens left at start 8, both taken) reached only its accepted position
+    assert position_acceptance([prompt([3, 2], [5, 8], 11)], block_size=4) == [1.0, 1.0, 0.0]
+    assert position_acceptance([prompt([1, 1], [5, 6], 40)], block_size=4) == [0.0, None, None]
+
+
+def test_bootstrap_interval_brackets_the_estimate_and_collapses_when_prompts_agree():
+    varied = [prompt([k, 1], [5, 5 + k], 60, id=str(k)) for k in range(1, 9)]
+    low, high = bootstrap_interval(varied, tau_macro)
+    assert low < tau_macro(varied) < high
+    assert bootstrap_interval(varied, tau_macro) == (low, high)  # seeded: reproducible
+    same = [prompt([3, 3], [5, 8], 60, id=str(i)) for i in range(5)]
+    assert bootstrap_interval(same, tau_macro) == (3.0, 3.0)
+
+
+def test_summary_has_categories_intervals_positions_and_speedups():
+    prompts = [prompt([4, 2], [5, 9], 60, "a", "math"), prompt([1, 1, 2], [5, 6, 7], 60, "b", "code"),
+               prompt([3], [5], 60, "c", "math")]
+    summary = summarize(prompts, block_size=4)
+    assert summary["tau_by_category"] == {"code": pytest.approx(4 / 3), "math": pytest.approx((3 + 3) / 2)}
+    assert summary["tau_macro_ci95"][0] <= summary["tau_macro"] <= summary["tau_macro_ci95"][1]
+    assert len(summary["position_acceptance"]) == 3
+    assert summary["projected_speedup"]["0.1"] == pytest.approx(projected_speedup(summary["tau_macro"], 0.1))
+    assert projected_speedup(3.0, 0.5) == pytest.approx(2.0)
