@@ -177,6 +177,34 @@ def serve_reference(
         raise typer.Exit(2) from None
 
 
+@app.command("history")
+def history_command(store: str = STORE):
+    """Tau of every scored checkpoint in the store, by training step, with the best one and regressions
+    (a 95% interval entirely below the best earlier step's)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from flows.history import history, source_name
+    from storage import Store
+
+    groups = history(Store(store))
+    if not groups:
+        typer.echo(f"no scored checkpoint in {Store(store).root}")
+        return
+    console = Console(width=160)
+    for (features, semantics), rows in groups.items():
+        table = Table(title=f"features {features[:12]} ({semantics} sliding layers)")
+        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", ""):
+            table.add_column(column)
+        for row in rows:
+            ci = row["tau_macro_ci95"]
+            mark = "best" if row["best"] else ("REGRESSION" if row["regression"] else "")
+            table.add_row("-" if row["step"] is None else str(row["step"]), source_name(row["source"]),
+                          f"{row['tau_macro']:.3f}", f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
+                          f"{row['tau_pooled']:.3f}", mark)
+        console.print(table)
+
+
 def _token(token_file: str | None) -> str | None:
     if token_file is None:
         return None

@@ -332,3 +332,27 @@ def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case,
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: ") and message in result.output, result.output
     assert not (tmp_path / "store").exists()
+
+
+def test_history_shows_tau_by_step_the_best_and_a_regression(tiny, tmp_path, prefect_api_url):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    store = tmp_path / "store"
+    evaluate(tiny, store, step=0)
+    evaluate(tiny, store, step=-1)
+    # a later save that is as bad as the first one: step_500 holds step_100's weights
+    relapse = tmp_path / "run" / "step_500"
+    shutil.copytree(tiny.drafter_steps[0], relapse)
+    config = json.loads((relapse / "config.json").read_text())
+    (relapse / "config.json").write_text(json.dumps({**config, "note": "relapse"}))  # another checkpoint's content
+    from flows.evaluate import evaluate_checkpoint
+
+    evaluate_checkpoint(**{**arguments(tiny, store), "drafter": str(relapse)})
+
+    result = CliRunner().invoke(app, ["history", "--store", str(store)])
+    assert result.exit_code == 0, result.output
+    rows = [line for line in result.output.splitlines() if "step_" in line]
+    assert [row.split("│")[1].strip() for row in rows] == ["100", "400", "500"]
+    assert "best" in rows[1] and "REGRESSION" in rows[2] and "REGRESSION" not in rows[0] + rows[1]
