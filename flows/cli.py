@@ -226,6 +226,8 @@ def relay_serve(
                                    "(default ~/.cache/dflash-eval/relay)."),
     settle_seconds: float = typer.Option(30, "--settle-seconds", help="A checkpoint is listed once none of its files "
                                          "changed for this long (trainers write no completion marker)."),
+    max_rate_mb: float = typer.Option(None, "--max-rate-mb", help="Cap on MB/s sent over all downloads together "
+                                      "(leave bandwidth to a trainer on the same link); default no cap."),
 ):
     """Serve the checkpoints under ROOT (each a folder with config.json and safetensors) over HTTP.
 
@@ -243,7 +245,7 @@ def relay_serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     relay = RelayServer(root, host=host, port=port, token=_token(token_file), upstream=upstream,
                         upstream_token=_token(upstream_token_file), state_dir=state_dir or DEFAULT_STATE_DIR,
-                        settle_seconds=settle_seconds)
+                        settle_seconds=settle_seconds, max_rate=max_rate_mb * 1e6 if max_rate_mb else None)
     typer.echo(f"relay listening on {relay.url}")
     try:
         relay.serve_forever()

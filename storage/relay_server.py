@@ -97,7 +97,8 @@ class RelayServer:
 
     `url` is its base URL once constructed (the port is bound in the constructor). `faults` and
     `bytes_sent` are test hooks: put "cut", "corrupt" or "truncate" in `faults` and the next file
-    response misbehaves that way once; `bytes_sent` counts file body bytes sent.
+    response misbehaves that way once; `bytes_sent` counts file body bytes sent. `max_rate` caps
+    the bytes/s sent over all downloads together (so a relay next to a trainer leaves it bandwidth).
     """
 
     def __init__(
@@ -110,6 +111,7 @@ class RelayServer:
         upstream_token: str | None = None,
         state_dir: str | os.PathLike = DEFAULT_STATE_DIR,
         settle_seconds: float = 30,
+        max_rate: float | None = None,
     ):
         if root_dir is None and upstream is None:
             raise ValueError("a relay needs a root_dir to serve, an upstream relay to pull from, or both")
@@ -124,6 +126,8 @@ class RelayServer:
         self.upstream = RelayClient(upstream, token=upstream_token) if upstream else None
         self.faults: queue.Queue[str] = queue.Queue()
         self.bytes_sent = 0
+        self.max_rate = max_rate  # bytes/s over all downloads together; None: as fast as the link goes
+        self._next_send = time.monotonic()
         self._lock = threading.Lock()
         self._path_locks: dict[str, threading.Lock] = {}
         self._manifests: dict[str, tuple[Any, dict]] = {}  # path -> (fingerprint, manifest)
@@ -166,6 +170,16 @@ class RelayServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+    def _pace(self, n: int) -> None:
+        """Under `max_rate`, wait for `n` bytes' turn on the shared outgoing link."""
+        if not self.max_rate:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next_send = max(self._next_send, now) + n / self.max_rate
+            wait = self._next_send - now
+        time.sleep(wait)
 
     def _count_sent(self, n: int) -> None:
         with self._lock:
@@ -483,6 +497,22 @@ class RelayServer:
                     limit = max(0, length - 1 - length // 10)
                 corrupt_at = length // 2 if fault == "corrupt" else -1
                 sent = 0
+                if fault is None and isinstance(source, Path):
+                    # A finished local file: the kernel copies it to the socket (sendfile), which
+                    # leaves the CPU to the clients' sha256 when both share a machine.
+                    self.wfile.flush()
+                    with open(source, "rb") as f:
+                        while sent < length:
+                            n = min(CHUNK_BYTES, length - sent)
+                            relay._pace(n)
+                            n = self.connection.sendfile(f, offset=start + sent, count=n)
+                            if not n:
+                                break  # the file shrank: a short body, the client retries
+                            sent += n
+                            relay._count_sent(n)
+                    if sent < length:
+                        self.close_connection = True
+                    return
                 f, more = (open(source, "rb"), lambda: False) if isinstance(source, Path) else source.open()
                 with f:
                     f.seek(start)
@@ -495,6 +525,7 @@ class RelayServer:
                         if sent <= corrupt_at < sent + len(data):
                             data = bytearray(data)
                             data[corrupt_at - sent] ^= 0xFF
+                        relay._pace(len(data))
                         self.wfile.write(data)
                         sent += len(data)
                         relay._count_sent(len(data))

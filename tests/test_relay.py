@@ -146,6 +146,19 @@ def test_download_multi_file_with_progress(tree, relay, tmp_path):
     assert relay.bytes_sent == sent
 
 
+def test_max_rate_caps_all_downloads_together(tree, tmp_path):
+    """3 MB over two files in parallel at 6 MB/s total cannot finish in under half a second."""
+    with RelayServer(tree, state_dir=tmp_path / "state", settle_seconds=5, max_rate=6 * MB) as capped:
+        client = RelayClient(capped.url)
+        key = client.manifest("run1/step_2000")["key"]
+        started = time.monotonic()
+        client.download("run1/step_2000", tmp_path / "dest", parallel=2)
+        elapsed = time.monotonic() - started
+    assert capped.bytes_sent >= 3 * MB
+    assert elapsed >= capped.bytes_sent / (6 * MB)
+    assert directory_digest(tmp_path / "dest").key == key
+
+
 def test_cut_connection_resumes_without_redownloading(tree, relay, tmp_path):
     relay.faults.put("cut")
     dest = tmp_path / "dest"
