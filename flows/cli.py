@@ -184,7 +184,7 @@ def history_command(store: str = STORE):
     from rich.console import Console
     from rich.table import Table
 
-    from flows.history import history, source_name
+    from flows.history import history
     from storage import Store
 
     groups = history(Store(store))
@@ -192,16 +192,16 @@ def history_command(store: str = STORE):
         typer.echo(f"no scored checkpoint in {Store(store).root}")
         return
     console = Console(width=160)
-    for (features, semantics), rows in groups.items():
-        table = Table(title=f"features {features[:12]} ({semantics} sliding layers)")
+    for group in groups:
+        table = Table(title=group.title)
         for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", ""):
             table.add_column(column)
-        for row in rows:
+        for row in group.rows:
             ci = row["tau_macro_ci95"]
-            mark = "best" if row["best"] else ("REGRESSION" if row["regression"] else "")
-            table.add_row("-" if row["step"] is None else str(row["step"]), source_name(row["source"]),
-                          f"{row['tau_macro']:.3f}", f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
-                          f"{row['tau_pooled']:.3f}", mark)
+            mark = "best" if row["best"] else "REGRESSION" if row["regression"] else "baseline" if row["baseline"] else ""
+            step = "-" if row["step"] is None else str(row["step"])
+            table.add_row("baseline" if row["baseline"] else step, row["label"], f"{row['tau_macro']:.3f}",
+                          f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row['tau_pooled']:.3f}", mark)
         console.print(table)
 
 

@@ -26,7 +26,7 @@ from storage import Store, read_json
 from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
 from tasks.drafts import draft
 from tasks.features import extract_target_features
-from tasks.fetch import fetch_checkpoint, is_relay_url, local_path, relay_token, training_step
+from tasks.fetch import fetch_checkpoint, is_relay_url, local_path, relay_token, source_step
 from tasks.references import generate_references, load_prompts
 from tasks.scores import score
 from tasks.target import DTYPES
@@ -212,7 +212,7 @@ def evaluate_checkpoint(
     results = read_json(outputs["scores"].path) if "scores" in run else {}
     results.update({
         "drafter": {"source": drafter, "key": outputs["fetch"].key if "fetch" in run else None,
-                    "step": outputs["fetch"].step if "fetch" in run else training_step(drafter)},
+                    "step": outputs["fetch"].step if "fetch" in run else source_step(drafter)},
         "target": str(target),
         "prompts": str(prompts),
         "reference": reference,

@@ -3,41 +3,94 @@
 Rows come from the store alone (scores -> drafts -> fetch, features entries), grouped by what makes
 taus comparable: the same target and references (the features entry) and the same sliding-layer
 semantics. A checkpoint is flagged as a regression when its whole 95% interval lies below the best
-earlier step's interval (bootstrap over prompts, dflash_core.metrics).
+earlier step's interval (bootstrap over prompts, dflash_core.metrics). Baseline drafters (a
+`baselines` entry holds their checkpoint key, written by `dflash-eval run --baseline`) are rows of
+their own: never the best, never a regression.
 """
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from storage import EntryMissing, Store, read_json
 
+BASELINES = "baselines"  # store stage: one entry per checkpoint key scored as a baseline
 
-def history(store: Store) -> dict[tuple[str, str], list[dict]]:
-    """(features key, sliding semantics) -> rows sorted by step: step, source, checkpoint key, tau
-    macro with its interval, tau pooled, best (so far), regression."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+
+@dataclass
+class Group:
+    """Checkpoints scored against one target, one reference set and one sliding-layer semantics."""
+
+    features: str  # features key (target + references)
+    sliding_semantics: str
+    title: str  # "<target> on <prompts>", for people
+    rows: list[dict] = field(default_factory=list)  # candidates by step, then baselines
+
+    @property
+    def candidates(self) -> list[dict]:
+        return [r for r in self.rows if not r["baseline"]]
+
+    @property
+    def baselines(self) -> list[dict]:
+        return [r for r in self.rows if r["baseline"]]
+
+    @property
+    def best(self) -> dict | None:
+        return next((r for r in self.rows if r["best"]), None)
+
+
+def history(store: Store) -> list[Group]:
+    """Every group of comparable scores. Each row: step, source, label, checkpoint / drafts / scores
+    keys, scores_path, tau macro with its interval, tau pooled, baseline, best (so far), regression."""
+    groups: dict[tuple[str, str], Group] = {}
     for key in store.keys("scores"):
         try:
             scores = read_json(store.entry("scores", key) / "scores.json")
-            drafts = store.read_record("drafts", store.read_record("scores", key)["drafts"])
+            drafts_key = store.read_record("scores", key)["drafts"]
+            drafts = store.read_record("drafts", drafts_key)
             fetch = store.read_record("fetch", drafts["checkpoint"])
         except EntryMissing:  # its drafts or checkpoint entry was deleted: nothing to say which step it was
             continue
-        groups.setdefault((drafts["features"], drafts["sliding_semantics"]), []).append({
-            "step": fetch["step"], "source": fetch["source"], "checkpoint": drafts["checkpoint"],
+        group_key = (drafts["features"], drafts["sliding_semantics"])
+        if group_key not in groups:
+            groups[group_key] = Group(drafts["features"], drafts["sliding_semantics"],
+                                      _title(store, drafts["features"], drafts["sliding_semantics"]))
+        groups[group_key].rows.append({
+            "step": fetch["step"], "source": fetch["source"], "label": source_name(fetch["source"]),
+            "checkpoint": drafts["checkpoint"], "drafts": drafts_key, "scores": key,
+            "scores_path": str(store.entry("scores", key) / "scores.json"),
             "tau_macro": scores["tau_macro"], "tau_macro_ci95": scores.get("tau_macro_ci95"),
-            "tau_pooled": scores["tau_pooled"],
+            "tau_pooled": scores["tau_pooled"], "baseline": store.is_complete(BASELINES, drafts["checkpoint"]),
         })
-    for rows in groups.values():
-        rows.sort(key=lambda r: (r["step"] is None, r["step"] or 0, r["source"]))
+    for group in groups.values():
+        group.rows.sort(key=lambda r: (r["baseline"], r["step"] is None, r["step"] or 0, r["source"]))
         best = None
-        for row in rows:
-            row["regression"] = bool(best and row["tau_macro_ci95"] and best["tau_macro_ci95"]
+        for row in group.rows:
+            row["regression"] = bool(not row["baseline"] and best and row["tau_macro_ci95"] and best["tau_macro_ci95"]
                                      and row["tau_macro_ci95"][1] < best["tau_macro_ci95"][0])
-            if best is None or row["tau_macro"] > best["tau_macro"]:
+            if not row["baseline"] and (best is None or row["tau_macro"] > best["tau_macro"]):
                 best = row
-        for row in rows:
+        for row in group.rows:
             row["best"] = row is best
-    return groups
+    return sorted(groups.values(), key=lambda g: g.title)
+
+
+def find_group(groups: list[Group], scores_key: str) -> tuple[Group, dict] | None:
+    """The group and row of one scores entry."""
+    for group in groups:
+        for row in group.rows:
+            if row["scores"] == scores_key:
+                return group, row
+    return None
+
+
+def _title(store: Store, features_key: str, sliding_semantics: str) -> str:
+    try:
+        references = store.read_record("references", store.read_record("features", features_key)["references"])
+    except (EntryMissing, KeyError):
+        return f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
+    target = Path(references.get("target", "")).name or "target"  # entries from before it was recorded
+    prompts = Path(references.get("prompts", "")).name or "prompts"
+    return f"{target} on {prompts}, {references.get('max_new_tokens')} new tokens ({sliding_semantics} sliding layers)"
 
 
 def source_name(source: str) -> str:

@@ -58,6 +58,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
+from .checkpoint import training_step
 from .hashing import DigestCache, key_of
 from .records import read_json, write_json_atomic
 from .relay_client import RelayClient, RelayError, check_file_name, validate_manifest
@@ -67,7 +68,6 @@ log = logging.getLogger("storage.relay_server")
 INDEX_NAME = "model.safetensors.index.json"
 CHUNK_BYTES = 1 << 20
 DEFAULT_STATE_DIR = Path("~/.cache/dflash-eval/relay")
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
 
 
 class _HTTPError(Exception):
@@ -235,16 +235,6 @@ class RelayServer:
             return None
         return directory
 
-    def _step(self, directory_name: str, directory: Path) -> int | None:
-        match = _TRAILING_NUMBER.search(directory_name)
-        if match:
-            return int(match.group(1))
-        try:
-            step = read_json(directory / "config.json").get("step")
-        except (OSError, ValueError, AttributeError):
-            return None
-        return step if isinstance(step, int) and not isinstance(step, bool) else None
-
     def _local_checkpoint(self, segments: list[str]) -> tuple[Path, dict[str, os.stat_result]] | None:
         directory = self._local_dir(segments)
         if directory is None:
@@ -267,7 +257,7 @@ class RelayServer:
                 found.append(
                     {
                         "path": rel,
-                        "step": self._step(Path(dirpath).name, Path(dirpath)),
+                        "step": training_step(dirpath),
                         "total_bytes": sum(st.st_size for st in files.values()),
                         "n_files": len(files),
                     }
@@ -289,7 +279,7 @@ class RelayServer:
             ]
             manifest = {
                 "path": path,
-                "step": self._step(directory.name, directory),
+                "step": training_step(directory),
                 "total_bytes": sum(e["size"] for e in entries),
                 "files": entries,
                 "key": key_of({"files": {e["name"]: e["sha256"] for e in entries}}),

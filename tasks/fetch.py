@@ -6,7 +6,6 @@ never downloaded or copied again, whichever way it is named.
 """
 
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from storage import Store, directory_digest, file_sha256
+from storage.checkpoint import step_from_name, training_step
 from storage.relay_client import RelayClient, parse_checkpoint_url
 
 from .progress import StageProgress
@@ -26,7 +26,6 @@ CHECKPOINT_DIRNAME = "checkpoint"
 # The files of a checkpoint: every regular file directly in its folder but hidden ones (as the relay serves them).
 CHECKPOINT_FILES = ("[!.]*",)
 RELAY_TOKEN_ENV = "DFLASH_RELAY_TOKEN"
-_STEP_RE = re.compile(r"(\d+)$")
 
 
 @dataclass(frozen=True)
@@ -36,7 +35,7 @@ class Checkpoint:
     key: str  # content key: digest of its files
     path: str  # the checkpoint folder inside the store entry
     source: str  # where it was fetched from
-    step: int | None  # training step (the folder name's trailing number, as the relay reads it)
+    step: int | None  # training step (storage.checkpoint.training_step, as the relay reads it)
 
 
 def is_relay_url(source: str) -> bool:
@@ -49,10 +48,11 @@ def local_path(source: str) -> Path:
     return Path(unquote(parts.path)) if parts.scheme == "file" else Path(source)
 
 
-def training_step(source: str) -> int | None:
-    """The training step a checkpoint's folder name ends with (step_1000, checkpoint-1000, iter1000)."""
-    match = _STEP_RE.search(Path(urlsplit(source).path.rstrip("/") or source).name)
-    return int(match.group(1)) if match else None
+def source_step(source: str) -> int | None:
+    """The training step of a checkpoint source, before it is fetched (storage.checkpoint)."""
+    if is_relay_url(source):
+        return step_from_name(urlsplit(source).path)
+    return training_step(local_path(source))
 
 
 def relay_token(token_file: str | None) -> str | None:
@@ -81,7 +81,7 @@ def fetch_checkpoint(source: str, store_root: str, relay_token_file: str | None 
     else:
         src = local_path(source)
         digest = directory_digest(src, patterns=CHECKPOINT_FILES, cache=store.digest_cache())
-        key, step = digest.key, training_step(str(src))
+        key, step = digest.key, training_step(src)
 
         def compute(entry: Path) -> dict:
             # A copy, not a link: trainers overwrite files in place, which would change a hard link's content.

@@ -157,7 +157,8 @@ def generate_references(
         n_items = sum(max(1, len(p.turns)) for p in prompts)
         unverified = sum(not t["verified"] for n in range(len(prompts))
                          for t in read_json(entry / f"seq_{n}.json")["turns"])
-        return {"n_prompts": len(prompts), "n": n_items, "prompts": str(prompts_source), "backend": backend.identity,
+        return {"n_prompts": len(prompts), "n": n_items, "prompts": str(prompts_source), "target": str(target_dir),
+                "backend": backend.identity,
                 "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids, "lookahead": lookahead,
                 "unverified": unverified}
 
