@@ -58,6 +58,14 @@ def tau_pooled(prompts: Sequence[PromptScore]) -> float:
     return sum(sum(p.acceptance_lengths) for p in prompts) / sum(len(p.acceptance_lengths) for p in prompts)
 
 
+def all_positions_tau(acceptance_by_position: Sequence[Sequence[int]]) -> float:
+    """Mean acceptance length of a block drafted at every position of each completion (the
+    all-positions mode of dflash_core.replay), macro-averaged over prompts. Unlike tau it does not
+    follow the decode path, so it weighs every position once (what training losses average)."""
+    per_prompt = [sum(lengths) / len(lengths) for lengths in acceptance_by_position if lengths]
+    return sum(per_prompt) / len(per_prompt)
+
+
 def histogram(prompts: Sequence[PromptScore], block_size: int) -> list[int]:
     """counts[k - 1] = number of steps with acceptance length k, for k = 1..block_size."""
     counts = [0] * block_size

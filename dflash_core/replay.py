@@ -101,20 +101,20 @@ class BlockScorer:
             with torch.no_grad():
                 self.context.append(drafter.context_kv(feats[:, :needed]))
 
-    @torch.no_grad()
-    def score(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
-        """Acceptance length and rejected draft token for each (reference index, start) block."""
+    def _truth(self, blocks: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """truth[n, k] = R[start + k] where R has it, else -1: [N, B]."""
+        truth = torch.full((len(blocks), self.B), -1, dtype=torch.long, device=self.drafter.device)
+        for n, (s, p) in enumerate(blocks):
+            after = self.tokens[s][p:p + self.B]
+            truth[n, :len(after)] = after
+        return truth
+
+    def _hidden(self, blocks: Sequence[tuple[int, int]], truth: torch.Tensor) -> torch.Tensor:
+        """The drafter's last hidden states for each block [N, B, H]."""
         N, B = len(blocks), self.B
         seqs = [s for s, _ in blocks]
         starts = torch.tensor([p for _, p in blocks], device=self.drafter.device)
         S = int(starts.max())
-
-        # truth[n, k] = R[start + k] where R has it; available = how many tokens R has after the start
-        truth = torch.full((N, B), -1, dtype=torch.long, device=starts.device)
-        for n, (s, p) in enumerate(blocks):
-            after = self.tokens[s][p:p + B]
-            truth[n, :len(after)] = after
-        available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=starts.device)
         # the drafter's input block: the bonus token R[start], then masks
         ids = torch.full((N, B), self.drafter.mask_token_id, dtype=torch.long, device=starts.device)
         ids[:, 0] = truth[:, 0]
@@ -132,10 +132,26 @@ class BlockScorer:
                     k[n, :, :p], v[n, :, :p] = self.context[s][layer][0][:, :p], self.context[s][layer][1][:, :p]
                 context.append((k, v))
             hidden = self.drafter(block_embeds, starts, context)  # [N, B, H]
+        return hidden
 
-        accepted = torch.zeros(N, dtype=torch.long, device=starts.device)
-        rejected = torch.full((N,), -1, dtype=torch.long, device=starts.device)
-        alive = torch.arange(N, device=starts.device)
+    @torch.no_grad()
+    def draft_tokens(self, blocks: Sequence[tuple[int, int]]) -> list[list[int]]:
+        """The drafter's whole block of guesses (positions 1..B-1) for each (reference index, start)."""
+        hidden = self._hidden(blocks, self._truth(blocks))
+        return (hidden[:, 1:] @ self.head.T).argmax(-1).tolist()
+
+    @torch.no_grad()
+    def score(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
+        """Acceptance length and rejected draft token for each (reference index, start) block."""
+        N, B = len(blocks), self.B
+        truth = self._truth(blocks)
+        # how many tokens R has after each start
+        available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=truth.device)
+        hidden = self._hidden(blocks, truth)
+
+        accepted = torch.zeros(N, dtype=torch.long, device=truth.device)
+        rejected = torch.full((N,), -1, dtype=torch.long, device=truth.device)
+        alive = torch.arange(N, device=truth.device)
         for k in range(1, B):
             alive = alive[available[alive] >= k]
             if len(alive) == 0:

@@ -1,12 +1,17 @@
 """The main job: evaluate one drafter checkpoint against a target on a prompt set.
 
     fetch ─────────────────────────┐
-    references ─> features ────────┴─> drafts ─> scores
+    references ─> features ────────┴─> drafts ─> scores ─> diagnostics (on demand)
 
 Every stage keeps its output in the store under a content key (tasks/stage.py): for a new
 checkpoint of the same drafter run only fetch, drafts and scores do any work; references and
 features show as `Cached`. Inputs are checked before any stage runs, so bad input leaves the store
 untouched.
+
+With `baseline` (e.g. the published drafter for the same target) that drafter is scored alongside
+(cached after its first run) and shows as its own row in `dflash-eval history` and the report.
+After scoring the flow rewrites the store's report and publishes Prefect artifacts under keys
+stable per target and prompt set (flows/artifacts.py).
 """
 
 import json
@@ -24,18 +29,22 @@ from dflash_core.reference_backends import BackendError, open_backend
 from dflash_core.target import read_target_config
 from storage import Store, read_json
 from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
+from flows.artifacts import publish
+from flows.history import BASELINES
+from tasks.diagnostics import diagnose, layers_needed
 from tasks.drafts import draft
 from tasks.features import extract_target_features
 from tasks.fetch import fetch_checkpoint, is_relay_url, local_path, relay_token, source_step
 from tasks.references import generate_references, load_prompts
 from tasks.scores import score
+from tasks.stage import run_entry
 from tasks.target import DTYPES
 
-STAGES = ("fetch", "references", "features", "drafts", "scores")
+STAGES = ("fetch", "references", "features", "drafts", "scores", "diagnostics")
 # What each stage needs done first (a hand-run stage runs these too; they are usually cached).
 DEPENDS_ON = {
     "fetch": (), "references": (), "features": ("references",),
-    "drafts": ("fetch", "features"), "scores": ("drafts", "references"),
+    "drafts": ("fetch", "features"), "scores": ("drafts", "references"), "diagnostics": ("scores",),
 }
 SLIDING_SEMANTICS = ("causal", "non_causal")
 
@@ -48,12 +57,14 @@ class InputError(ValueError):
 class CheckedInputs:
     drafter: DrafterConfig
     n_prompts: int
+    num_target_layers: int
+    baseline: DrafterConfig | None = None
 
 
 def check_inputs(
     target: str, drafter: str, prompts: str, max_new_tokens: int, dtype: str, device: str,
     sliding_semantics: str, thinking: bool = False, reference: str = "local", temperature: float = 0.0,
-    relay_token_file: str | None = None,
+    relay_token_file: str | None = None, baseline: str | None = None,
 ) -> CheckedInputs:
     """Read everything an evaluation needs, without writing anything: raises InputError on bad input.
 
@@ -87,6 +98,14 @@ def check_inputs(
         check_compatible(drafter_config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
+    baseline_config = None
+    if baseline is not None:
+        try:
+            baseline_config = _read_drafter_source(baseline, relay_token_file)
+            check_compatible(baseline_config, target_config.hidden_size, target_config.vocab_size,
+                             target_config.num_layers)
+        except DrafterError as e:
+            raise InputError(f"baseline drafter {baseline} does not fit target {target}: {e}") from None
     try:
         prompt_set = load_prompts(prompts, target, thinking)
     except PromptError as e:
@@ -104,7 +123,8 @@ def check_inputs(
             backend.check_matches(target_config.vocab_size)
         except (ValueError, BackendError) as e:
             raise InputError(f"reference server: {e}") from None
-    return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set))
+    return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers,
+                         baseline=baseline_config)
 
 
 def _read_drafter_source(drafter: str, relay_token_file: str | None) -> DrafterConfig:
@@ -166,6 +186,9 @@ def evaluate_checkpoint(
     relay_token_file: str | None = None,
     until: str = "scores",
     refresh: list[str] | None = None,
+    baseline: str | None = None,
+    report_dir: str | None = None,
+    all_positions: bool = False,
 ) -> dict:
     """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
@@ -173,11 +196,14 @@ def evaluate_checkpoint(
     reference: where greedy references come from: local, sglang+http://HOST:PORT, openai+http://HOST:PORT/v1
     (concurrency: requests in flight to a server). lookahead: keep B-1 greedy tokens past each
     completion so its last step is scored against a whole block (not clipped).
-    until: run only this stage and what it depends on. refresh: stages to recompute even if cached.
+    until: run only this stage and what it depends on ("diagnostics" adds them to a full run).
+    refresh: stages to recompute even if cached. baseline: another drafter (e.g. the published one)
+    scored alongside, as its own row. report_dir: where the report is rewritten (default <store>/report).
+    all_positions: also score a block at every position (all_positions_tau in the results).
     Returns the results record (also what `dflash-eval run --out` writes).
     """
     inputs = check_inputs(target, drafter, prompts, max_new_tokens, dtype, device, sliding_semantics, thinking,
-                          reference, relay_token_file=relay_token_file)
+                          reference, relay_token_file=relay_token_file, baseline=baseline)
     refresh = set(refresh or ())
     unknown = refresh - set(STAGES)
     if unknown:
@@ -186,28 +212,48 @@ def evaluate_checkpoint(
     root = str(Store(store).root.resolve())
     states, outputs = {}, {}
 
-    def step(stage, task_fn, *args, **kwargs):
+    def step(stage, task_fn, *args, name=None, **kwargs):
         state = task_fn(*args, store_root=root, refresh=stage in refresh, return_state=True, **kwargs)
-        states[stage] = state
-        outputs[stage] = state.result()
-        return outputs[stage]
+        states[name or stage] = state
+        outputs[name or stage] = state.result()
+        return outputs[name or stage]
 
     layer_ids = tuple(inputs.drafter.target_layer_ids)
     if "fetch" in run:
         checkpoint = step("fetch", fetch_checkpoint, drafter, relay_token_file=relay_token_file)
         # the fetched copy is what gets drafted: take its layer ids (the source may have changed since)
         layer_ids = tuple(read_drafter_config(checkpoint.path).target_layer_ids)
+    with_baseline = baseline is not None and "scores" in run
+    if with_baseline:
+        baseline_checkpoint = step("fetch", fetch_checkpoint, baseline, relay_token_file=relay_token_file,
+                                   name="baseline fetch")
+        mark_baseline(Store(root), baseline_checkpoint)
+        baseline_layer_ids = tuple(read_drafter_config(baseline_checkpoint.path).target_layer_ids)
     if "references" in run:
         refs = step("references", generate_references, target, prompts, max_new_tokens, reference=reference,
                     lookahead=inputs.drafter.block_size - 1 if lookahead else 0, dtype=dtype, device=device,
                     thinking=thinking, concurrency=concurrency)
     if "features" in run:
-        features = step("features", extract_target_features, target, refs, layer_ids, dtype=dtype, device=device)
+        # one target pass extracts every layer this run reads
+        wanted = set(layer_ids)
+        if "diagnostics" in run:
+            wanted |= set(layers_needed(layer_ids, inputs.num_target_layers))
+        if with_baseline:
+            wanted |= set(baseline_layer_ids)
+        features = step("features", extract_target_features, target, refs, tuple(sorted(wanted)), dtype=dtype,
+                        device=device)
     if "drafts" in run:
         drafts = step("drafts", draft, checkpoint, features, refs, target,
-                      sliding_semantics=sliding_semantics, dtype=dtype, device=device)
+                      sliding_semantics=sliding_semantics, dtype=dtype, device=device, all_positions=all_positions)
     if "scores" in run:
-        step("scores", score, drafts, refs)
+        scores = step("scores", score, drafts, refs)
+    if with_baseline:
+        baseline_drafts = step("drafts", draft, baseline_checkpoint, features, refs, target, name="baseline drafts",
+                               sliding_semantics=sliding_semantics, dtype=dtype, device=device,
+                               all_positions=all_positions)
+        step("scores", score, baseline_drafts, refs, name="baseline scores")
+    if "diagnostics" in run:
+        step("diagnostics", diagnose, checkpoint, features, refs, drafts, scores, target, dtype=dtype, device=device)
 
     results = read_json(outputs["scores"].path) if "scores" in run else {}
     results.update({
@@ -226,4 +272,19 @@ def evaluate_checkpoint(
         "stages": {s: "cached" if st.name == "Cached" else "ran" for s, st in states.items()},
         "keys": {s: out.key for s, out in outputs.items()},
     })
+    if with_baseline:
+        baseline_scores = read_json(outputs["baseline scores"].path)
+        results["baseline"] = {
+            "source": baseline, "key": baseline_checkpoint.key, "step": baseline_checkpoint.step,
+            **{k: baseline_scores[k] for k in ("tau_macro", "tau_macro_ci95", "tau_pooled", "tau_by_category")},
+        }
+    if "diagnostics" in run:
+        results["diagnostics"] = read_json(outputs["diagnostics"].path)
+    if "scores" in run:
+        publish(results, Store(root), Path(report_dir) if report_dir else Path(root) / "report")
     return results
+
+
+def mark_baseline(store: Store, checkpoint) -> None:
+    """Record that this checkpoint is scored as a baseline (flows.history shows it as its own row)."""
+    run_entry(store, BASELINES, checkpoint.key, lambda entry: {"source": checkpoint.source, "step": checkpoint.step})

@@ -40,7 +40,8 @@ class Group:
 
 def history(store: Store) -> list[Group]:
     """Every group of comparable scores. Each row: step, source, label, checkpoint / drafts / scores
-    keys, scores_path, tau macro with its interval, tau pooled, baseline, best (so far), regression."""
+    keys, scores_path, tau macro with its interval, tau pooled, all_positions_tau (None unless computed),
+    baseline, best (so far), regression."""
     groups: dict[tuple[str, str], Group] = {}
     for key in store.keys("scores"):
         try:
@@ -54,12 +55,19 @@ def history(store: Store) -> list[Group]:
         if group_key not in groups:
             groups[group_key] = Group(drafts["features"], drafts["sliding_semantics"],
                                       _title(store, drafts["features"], drafts["sliding_semantics"]))
-        groups[group_key].rows.append({
+        rows = groups[group_key].rows
+        same = next((r for r in rows if r["checkpoint"] == drafts["checkpoint"]), None)
+        if same is not None:  # scored in decode and in all-positions mode: the same decode path, keep the richer
+            if same["all_positions_tau"] is not None or "all_positions_tau" not in scores:
+                continue
+            rows.remove(same)
+        rows.append({
             "step": fetch["step"], "source": fetch["source"], "label": source_name(fetch["source"]),
             "checkpoint": drafts["checkpoint"], "drafts": drafts_key, "scores": key,
             "scores_path": str(store.entry("scores", key) / "scores.json"),
             "tau_macro": scores["tau_macro"], "tau_macro_ci95": scores.get("tau_macro_ci95"),
-            "tau_pooled": scores["tau_pooled"], "baseline": store.is_complete(BASELINES, drafts["checkpoint"]),
+            "tau_pooled": scores["tau_pooled"], "all_positions_tau": scores.get("all_positions_tau"),
+            "baseline": store.is_complete(BASELINES, drafts["checkpoint"]),
         })
     for group in groups.values():
         group.rows.sort(key=lambda r: (r["baseline"], r["step"] is None, r["step"] or 0, r["source"]))

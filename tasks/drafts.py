@@ -46,14 +46,17 @@ def draft(
     sliding_semantics: str = "causal",
     dtype: str = "float32",
     device: str = "cpu",
+    all_positions: bool = False,
     refresh: bool = False,
 ):
-    """Acceptance lengths per prompt, in decode order (drafted against the references, no target run)."""
+    """Acceptance lengths per prompt, in decode order (drafted against the references, no target run);
+    all_positions: also the acceptance length of a block at every position (dflash_core.replay)."""
     store = Store(store_root)
     config = read_drafter_config(checkpoint.path)  # the key needs only the config, not the weights
     key = key_of({
         "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
-        "block_size": config.block_size, "sliding_semantics": sliding_semantics, "mode": "decode",
+        "block_size": config.block_size, "sliding_semantics": sliding_semantics,
+        "mode": "all_positions" if all_positions else "decode",
         "dtype": dtype, "device": torch.device(device).type, "replay": REPLAY_VERSION,
     })
 
@@ -71,11 +74,12 @@ def draft(
             for start in range(0, len(items), PROMPTS_PER_GROUP):
                 group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
                 feats = [feature_store.read(drafter.target_layer_ids, n).to(device) for n in group]
-                results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats)
+                results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats,
+                                  all_positions=all_positions)
                 progress.update(len(results))
         write_json_atomic(entry / "drafts.json", {"per_prompt": [
             {"id": i.id, "starts": r.starts, "acceptance_lengths": r.acceptance_lengths,
-             "rejected_drafts": r.rejected_drafts}
+             "rejected_drafts": r.rejected_drafts, "all_positions": r.all_positions}
             for i, r in zip(items, results)
         ]})
         return {"checkpoint": checkpoint.key, "features": features.key, "block_size": drafter.block_size,

@@ -6,7 +6,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from dflash_core.metrics import PromptScore, summarize
+from dflash_core.metrics import PromptScore, all_positions_tau, summarize
 from storage import Store, key_of, read_json, write_json_atomic
 
 from .drafts import Drafts
@@ -42,6 +42,8 @@ def score(drafts: Drafts, refs: ReferenceSet, store_root: str, refresh: bool = F
             for item, d in zip(items, per_prompt)
         ]
         summary = summarize(prompts, drafts.block_size, lookahead=refs.lookahead > 0)
+        if all(d.get("all_positions") is not None for d in per_prompt):
+            summary["all_positions_tau"] = all_positions_tau([d["all_positions"] for d in per_prompt])
         summary["sliding_semantics"] = drafts.sliding_semantics
         # references a server gave only as text whose re-tokenisation did not round-trip
         summary["unverified_references"] = [item.id for item in items if not item.verified]

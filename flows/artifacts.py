@@ -1,0 +1,117 @@
+"""What a flow run shows in the Prefect UI once a checkpoint is scored.
+
+Artifacts are keyed per series (target + prompt set), so the UI's artifact page keeps one versioned
+history per series across flow runs:
+
+  <series>-scores    table: this checkpoint's metrics
+  <series>-summary   markdown: this checkpoint against the previous step, the best one and the
+                     baselines, with the regression flag (flows.history)
+  <series>-report    link: the store's report (flows.report), rewritten by this run
+
+Progress artifacts of long stages (`<stage>-progress`) come from tasks/progress.py.
+"""
+
+import re
+from pathlib import Path
+
+from prefect import get_run_logger
+from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
+
+from storage import Store
+
+from .history import find_group, history
+
+
+def series_key(target: str, prompts: str) -> str:
+    """The artifact key prefix of a target and prompt set: lowercase letters, digits and dashes."""
+    name = f"{Path(str(target).rstrip('/')).name}-{Path(str(prompts)).stem}".lower()
+    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")[:60] or "dflash"
+
+
+def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
+    """Rewrite the report and publish the scores, summary and report-link artifacts; returns their keys."""
+    logger = get_run_logger()
+    series = series_key(results["target"], results["prompts"])
+    keys = {"scores": f"{series}-scores", "summary": f"{series}-summary", "report": f"{series}-report"}
+    create_table_artifact(key=keys["scores"], table=score_table(results),
+                          description=f"Scores of {results['drafter']['source']}")
+    groups = history(store)
+    found = find_group(groups, results["keys"]["scores"])
+    report = None
+    try:
+        from .report import write_report  # matplotlib: imported only when a run has scores to show
+
+        report = write_report(store, report_dir)
+    except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them
+        logger.error(f"the report could not be written to {report_dir} ({type(e).__name__}: {e}); "
+                     "the scores are in the store: rerun `dflash-eval report --out DIR` once fixed")
+    create_markdown_artifact(key=keys["summary"], markdown=summary_markdown(results, found, report),
+                             description="This checkpoint against the previous step, the best one and the baselines")
+    if report is not None:
+        create_link_artifact(key=keys["report"], link=report.resolve().as_uri(), link_text=str(report),
+                             description="Report of every checkpoint scored in this store")
+        logger.info(f"report: {report}")
+    return keys
+
+
+def score_table(results: dict) -> list[dict]:
+    """One row per metric of a results record."""
+    low, high = results["tau_macro_ci95"]
+    rows = [
+        ("tau macro", f"{results['tau_macro']:.3f}"),
+        ("tau macro 95% CI", f"{low:.3f} - {high:.3f}"),
+        ("tau pooled", f"{results['tau_pooled']:.3f}"),
+        ("block size", results["block_size"]),
+        ("prompts scored", f"{results['n_scored_prompts']} of {results['n_prompts']}"),
+        ("decode steps", results["n_steps"]),
+        ("clipped last steps", results["clipped_last_steps"]),
+        ("sliding semantics", results["sliding_semantics"]),
+    ]
+    rows += [(f"P(position {k} accepted | earlier accepted)", "-" if p is None else f"{p:.3f}")
+             for k, p in enumerate(results["position_acceptance"], start=1)]
+    rows += [(f"tau on {category}", f"{tau:.3f}") for category, tau in results["tau_by_category"].items()]
+    rows += [(f"projected speedup, drafter costs {c} target forwards", f"{x:.2f}x")
+             for c, x in results["projected_speedup"].items()]
+    if "baseline" in results:
+        rows.append((f"baseline {results['baseline']['source']} tau macro", f"{results['baseline']['tau_macro']:.3f}"))
+    return [{"metric": name, "value": str(value)} for name, value in rows]
+
+
+def summary_markdown(results: dict, found, report: Path | None) -> str:
+    """This checkpoint against the previous step, the best other step and the baselines."""
+    drafter = results["drafter"]
+    low, high = results["tau_macro_ci95"]
+    lines = [f"## {drafter['source']}" + (f" (step {drafter['step']})" if drafter["step"] is not None else ""),
+             "", f"**tau {results['tau_macro']:.3f}** (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
+             f"block {results['block_size']}, {results['n_scored_prompts']} prompts", ""]
+    if found is None:
+        lines.append("No history for this checkpoint (its store entries were removed).")
+    else:
+        group, row = found
+        candidates = [r for r in group.candidates if r is not row]
+        earlier = [r for r in candidates if r["step"] is not None and row["step"] is not None and r["step"] < row["step"]]
+        compared = []
+        if earlier:
+            compared.append(("previous step", earlier[-1]))
+        if candidates:
+            compared.append(("best other step", max(candidates, key=lambda r: r["tau_macro"])))
+        compared += [("baseline", r) for r in group.baselines if r is not row]
+        if compared:
+            lines += ["| | checkpoint | step | tau macro | 95% CI | this minus it |", "|---|---|---|---|---|---|"]
+            for name, other in [("this", row), *compared]:
+                ci = other["tau_macro_ci95"]
+                lines.append(f"| {name} | {other['label']} | {other['step'] if other['step'] is not None else '-'} | "
+                             f"{other['tau_macro']:.3f} | {f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'} | "
+                             f"{row['tau_macro'] - other['tau_macro']:+.3f} |")
+            lines.append("")
+        if row["regression"]:
+            lines.append("**REGRESSION**: the whole 95% interval lies below the best earlier step's.")
+        elif row["best"]:
+            lines.append("Best step of this run so far.")
+        else:
+            lines.append("No regression: the interval overlaps the best earlier step's.")
+    ran = [s for s, status in results["stages"].items() if status == "ran"]
+    lines += ["", f"Stages that ran: {', '.join(ran) or 'none (all cached)'}."]
+    if report is not None:
+        lines.append(f"Report: `{report}`")
+    return "\n".join(lines)

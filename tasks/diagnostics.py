@@ -1,0 +1,135 @@
+"""Diagnostics stage: layer ablation, layer-offset probe, sliding switch, first divergences
+(dflash_core.diagnostics), from the cached features: drafter replays only, no target run."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NONE
+from transformers import AutoTokenizer
+
+from dflash_core.diagnostics import DEFAULT_OFFSETS, Variant, diagnostic_variants, first_divergences, variant_features
+from dflash_core.drafter import SLIDING_SEMANTICS, load_drafter
+from dflash_core.metrics import PromptScore, tau_macro
+from dflash_core.replay import ReplayResult, replay
+from dflash_core.target import read_target_config
+from dflash_core.token_head import load_token_head
+from storage import Store, key_of, read_json, write_json_atomic
+from storage.feature_store import FeatureStore
+
+from .drafts import PROMPTS_PER_GROUP, Drafts
+from .features import FeatureSet
+from .fetch import Checkpoint
+from .progress import StageProgress
+from .references import ReferenceSet, load_references
+from .scores import Scores
+from .stage import cached, run_entry
+from .target import DTYPES
+
+STAGE = "diagnostics"
+# Bump when what the diagnostics compute changes (part of the key).
+DIAGNOSTICS_VERSION = 1
+EXAMPLES = 8  # first-divergence examples kept
+
+
+@dataclass(frozen=True)
+class Diagnostics:
+    """A checkpoint's diagnostics, held in the store (diagnostics.json)."""
+
+    key: str
+    path: str
+
+
+def layers_needed(layer_ids, num_target_layers: int, offsets=DEFAULT_OFFSETS) -> list[int]:
+    """Every target layer the diagnostics read: the drafter's and those of the offsets in range."""
+    variants, _ = diagnostic_variants(layer_ids, num_target_layers, offsets)
+    return sorted({i for v in variants for i in v.layer_ids} | set(layer_ids))
+
+
+@task(name="diagnostics", cache_policy=NONE, persist_result=False)
+def diagnose(
+    checkpoint: Checkpoint,
+    features: FeatureSet,
+    refs: ReferenceSet,
+    drafts: Drafts,
+    scores: Scores,
+    target_dir: str,
+    store_root: str,
+    dtype: str = "float32",
+    device: str = "cpu",
+    refresh: bool = False,
+):
+    """Tau with each layer's features zeroed, with all of them, with shifted layers, with the other
+    sliding semantics; and the first rejected draft of each prompt, as text. `features` must hold
+    layers_needed(...) (the flow extracts them with the drafter's)."""
+    store = Store(store_root)
+    key = key_of({"drafts": drafts.key, "offsets": list(DEFAULT_OFFSETS), "examples": EXAMPLES,
+                  "diagnostics": DIAGNOSTICS_VERSION})
+
+    def compute(entry: Path) -> dict:
+        semantics = drafts.sliding_semantics
+        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=semantics)
+        ids = tuple(drafter.target_layer_ids)
+        num_layers = read_target_config(target_dir).num_layers
+        variants, out_of_range = diagnostic_variants(ids, num_layers)
+        switched = None
+        if "sliding_attention" in drafter.cfg.layer_types:
+            other = next(s for s in SLIDING_SEMANTICS if s != semantics)
+            switched = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=other)
+        head = load_token_head(target_dir, dtype=DTYPES[dtype])
+        embed, lm_head = head.embed_weight.to(device), head.head_weight.to(device)
+        tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        items = load_references(refs)
+        # the unmodified decode steps are the drafts stage's: not replayed again
+        unmodified = [ReplayResult(d["starts"], d["acceptance_lengths"], d["rejected_drafts"])
+                      for d in read_json(Path(drafts.path) / "drafts.json")["per_prompt"]]
+        feature_store = FeatureStore.in_entry(features.path)
+        needed = layers_needed(ids, num_layers)
+        results: dict[str, list[ReplayResult]] = {v.name: [] for v in variants}
+        switched_results, examples = [], []
+        with StageProgress(STAGE, "prompts diagnosed", len(items)) as progress:
+            for start in range(0, len(items), PROMPTS_PER_GROUP):
+                group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
+                by_layer = []
+                for n in group:
+                    held = feature_store.read(needed, n).to(device)  # [L, T, H]
+                    by_layer.append({layer: held[k] for k, layer in enumerate(needed)})
+                references = [items[n].reference for n in group]
+                drafter_inputs = [variant_features(Variant("unmodified", ids), f) for f in by_layer]
+                for variant in variants:
+                    results[variant.name] += replay(drafter, embed, lm_head, references,
+                                                    [variant_features(variant, f) for f in by_layer])
+                if switched is not None:
+                    switched_results += replay(switched, embed, lm_head, references, drafter_inputs)
+                if len(examples) < EXAMPLES:
+                    found = first_divergences(drafter, embed, lm_head, references, drafter_inputs,
+                                              unmodified[start:start + len(group)], tokenizer.decode)
+                    examples += [{"id": items[n].id, "category": items[n].category, **example}
+                                 for n, example in zip(group, found) if example is not None]
+                progress.update(group.stop)
+
+        def tau(replayed: list[ReplayResult]) -> float:
+            return tau_macro([PromptScore(i.id, i.category, r.acceptance_lengths, r.starts, len(i.reference.token_ids))
+                              for i, r in zip(items, replayed) if r.acceptance_lengths])
+
+        offsets = {0: (list(ids), scores.tau_macro)}
+        offsets.update({v.offset: (list(v.layer_ids), tau(results[v.name])) for v in variants if v.offset})
+        offsets.update({o: ([i + o for i in ids], None) for o in out_of_range})
+        report = {
+            "tau_macro": scores.tau_macro,
+            "layer_ids": list(ids),
+            "num_target_layers": num_layers,
+            "layer_ablation": [{"layer_id": i, "tau_macro": tau(results[f"ablate layer {i}"])} for i in ids],
+            "all_layers_ablated": tau(results["all layers ablated"]),
+            "layer_offset_probe": [{"offset": o, "layer_ids": offsets[o][0], "tau_macro": offsets[o][1]}
+                                   for o in sorted(offsets)],
+            "sliding_switch": None if switched is None else {
+                "from": semantics, "to": switched.sliding_semantics, "tau_macro": tau(switched_results)},
+            "first_divergence": examples[:EXAMPLES],
+        }
+        write_json_atomic(entry / "diagnostics.json", report, indent=1)
+        return {"drafts": drafts.key, "scores": scores.key}
+
+    _, computed = run_entry(store, STAGE, key, compute, refresh)
+    diagnostics = Diagnostics(key=key, path=str(store.entry(STAGE, key) / "diagnostics.json"))
+    return diagnostics if computed else cached(diagnostics)
