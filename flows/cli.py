@@ -34,6 +34,9 @@ LOOKAHEAD = typer.Option(False, "--lookahead/--no-lookahead", help="Keep B-1 gre
                          "the last step is scored against a whole block (default: clipped, as online decoding).")
 CONCURRENCY = typer.Option(8, "--concurrency", help="Requests in flight to a reference server.")
 TEMPERATURE = typer.Option(0.0, "--temperature", help="Only 0 (greedy): anything else is refused.")
+BASELINE = typer.Option(None, "--baseline", help="Another drafter (e.g. the published one for this target) scored "
+                        "alongside: its own row in history and the report.")
+REPORT_DIR = typer.Option(None, "--report-dir", help="Where the report is rewritten after scoring (default <store>/report).")
 RELAY_TOKEN_FILE = typer.Option(None, "--relay-token-file", help="File holding a relay's bearer token "
                                 "(else $DFLASH_RELAY_TOKEN), for --drafter http://RELAY/<path>.")
 
@@ -47,7 +50,7 @@ def _evaluate(**kwargs) -> dict:
         check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
                      kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"],
                      kwargs.get("reference", "local"), kwargs.pop("temperature", 0.0),
-                     relay_token_file=kwargs.get("relay_token_file"))
+                     relay_token_file=kwargs.get("relay_token_file"), baseline=kwargs.get("baseline"))
         return evaluate_checkpoint(**kwargs)
     except (InputError, DrafterError) as e:
         typer.secho(f"error: {e}", err=True, fg="red")
@@ -72,6 +75,31 @@ def _print_results(results: dict) -> None:
             f"(block {results['block_size']}, {results['n_scored_prompts']} prompts, {results['n_steps']} steps, "
             f"{results['clipped_last_steps']} clipped last steps; {results['sliding_semantics']} sliding layers)"
         )
+    if "all_positions_tau" in results:
+        console.print(f"all positions: mean acceptance length {results['all_positions_tau']:.3f}")
+    if "baseline" in results:
+        b = results["baseline"]
+        console.print(f"baseline {b['source']}: tau macro {b['tau_macro']:.3f} "
+                      f"(95% CI {b['tau_macro_ci95'][0]:.2f}-{b['tau_macro_ci95'][1]:.2f})")
+    if "diagnostics" in results:
+        _print_diagnostics(console, results["diagnostics"])
+
+
+def _print_diagnostics(console, d: dict) -> None:
+    ablation = ", ".join(f"layer {a['layer_id']}: {a['tau_macro']:.2f}" for a in d["layer_ablation"])
+    console.print(f"ablation (one layer's features zeroed): {ablation}; all layers: {d['all_layers_ablated']:.2f}")
+    probe = ", ".join(f"{p['offset']:+d}: {p['tau_macro']:.2f}" for p in d["layer_offset_probe"] if p["tau_macro"] is not None)
+    peak = max((p for p in d["layer_offset_probe"] if p["tau_macro"] is not None), key=lambda p: p["tau_macro"])
+    console.print(f"layer-offset probe (tau with layers id+offset): {probe}"
+                  + ("" if peak["offset"] == 0 else f"  <- peaks at {peak['offset']:+d}: were the training features "
+                     f"taken from layers {peak['layer_ids']}?"))
+    if d["sliding_switch"]:
+        sw = d["sliding_switch"]
+        console.print(f"sliding semantics {sw['to']} instead of {sw['from']}: tau {sw['tau_macro']:.2f}")
+    for example in d["first_divergence"][:3]:
+        console.print(f"first divergence in {example['id']} at completion token {example['position']}: "
+                      f"after {example['context']!r} drafted {example['drafted']!r}, reference {example['reference']!r}",
+                      markup=False)
 
 
 def _write(results: dict, out: Path | None) -> None:
@@ -87,7 +115,12 @@ def run(
     store: str = STORE, out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
     reference: str = REFERENCE, lookahead: bool = LOOKAHEAD, concurrency: int = CONCURRENCY,
-    temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE,
+    temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE, baseline: str = BASELINE,
+    report_dir: str = REPORT_DIR,
+    diagnostics: bool = typer.Option(False, "--diagnostics", help="Also run the diagnostics: layer ablation, "
+                                     "layer-offset probe, sliding switch, first divergences (drafter replays only)."),
+    all_positions: bool = typer.Option(False, "--all-positions", help="Also score a block drafted at every position "
+                                       "(all_positions_tau: every position weighed once, as training losses do)."),
 ):
     """Evaluate a drafter checkpoint: tau on the prompts, computing only what the store lacks.
 
@@ -97,14 +130,15 @@ def run(
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
                         reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
-                        relay_token_file=relay_token_file)
+                        relay_token_file=relay_token_file, baseline=baseline, report_dir=report_dir,
+                        until="diagnostics" if diagnostics else "scores", all_positions=all_positions)
     _print_results(results)
     _write(results, out)
 
 
 @app.command()
 def stage(
-    name: str = typer.Argument(..., help="fetch, references, features, drafts or scores."),
+    name: str = typer.Argument(..., help="fetch, references, features, drafts, scores or diagnostics."),
     target: str = TARGET, drafter: str = DRAFTER, prompts: str = PROMPTS, max_new_tokens: int = MAX_NEW,
     store: str = STORE, refresh: bool = typer.Option(False, "--refresh", help="Recompute it even if the store has it."),
     out: Path = typer.Option(None, "--out", help="Write the results JSON here."),
@@ -203,6 +237,31 @@ def history_command(store: str = STORE):
             table.add_row("baseline" if row["baseline"] else step, row["label"], f"{row['tau_macro']:.3f}",
                           f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row['tau_pooled']:.3f}", mark)
         console.print(table)
+
+
+@app.command("report")
+def report_command(
+    store: str = STORE,
+    out: Path = typer.Option(..., "--out", help="Folder to write report.html, report.md and img/*.png into."),
+    last: int = typer.Option(3, "--last", min=1, help="How many of the newest checkpoints of each group the "
+                             "acceptance curves, histograms and category table show (besides the baselines)."),
+):
+    """Write a report of every scored checkpoint in the store: tau by training step, acceptance by draft
+    position, acceptance-length histograms, tau per category, diagnostics. report.html is self-contained
+    (plots embedded); report.md shows the same with the plots in img/.
+
+    Example: dflash-eval report --out report/
+    """
+    from flows.report import NothingToReport, write_report
+    from storage import Store
+
+    try:
+        html_path = write_report(Store(store), out, last=last)
+    except NothingToReport as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"report: {html_path}")
+    typer.echo(f"markdown: {html_path.with_name('report.md')}")
 
 
 def _token(token_file: str | None) -> str | None:

@@ -1,0 +1,372 @@
+"""`dflash-eval report`: the HTML / Markdown report of a store's scores.
+
+The slow tests score every saved step of the tiny trained run through the real flow (and one baseline),
+then read the report back as a user's browser would: tables, embedded PNGs, no outside reference. A
+fast test fabricates store entries for the cases the tiny run does not produce (steps missing,
+regressions, positions nobody reached, two runs and two baselines).
+"""
+
+import base64
+import io
+import json
+import re
+import shutil
+from html.parser import HTMLParser
+
+import pytest
+from PIL import Image
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.report import NothingToReport, write_report
+from storage import Store, key_of, write_json_atomic
+
+N_PROMPTS = 10
+MAX_NEW = 64
+
+
+class Page(HTMLParser):
+    """What a report page holds: headings, tables (rows of cell texts), images, every src/href."""
+
+    def __init__(self, text: str):
+        super().__init__()
+        self.headings: list[tuple[str, str]] = []  # (tag, text)
+        self.tables: list[list[list[str]]] = []
+        self.images: list[dict] = []
+        self.references: list[str] = []  # every src and href
+        self.tags: set[str] = set()
+        self._heading = None
+        self._cell = None
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        self.tags.add(tag)
+        self.references += [attrs[a] for a in ("src", "href") if a in attrs]
+        if tag == "img":
+            self.images.append(attrs)
+        elif tag in ("h1", "h2", "h3"):
+            self._heading = (tag, "")
+        elif tag == "table":
+            self.tables.append([])
+        elif tag == "tr":
+            self.tables[-1].append([])
+        elif tag in ("td", "th"):
+            self._cell = ""
+
+    def handle_endtag(self, tag):
+        if tag in ("h1", "h2", "h3") and self._heading:
+            self.headings.append(self._heading)
+            self._heading = None
+        elif tag in ("td", "th"):
+            self.tables[-1][-1].append(self._cell)
+            self._cell = None
+
+    def handle_data(self, data):
+        if self._heading:
+            self._heading = (self._heading[0], self._heading[1] + data)
+        if self._cell is not None:
+            self._cell += data
+
+    def table_after(self, heading_text: str) -> list[list[str]]:
+        """The first table whose header row starts like the given one."""
+        return next(t for t in self.tables if t and t[0][0] == heading_text)
+
+
+def png_of(src: str) -> Image.Image:
+    assert src.startswith("data:image/png;base64,"), src[:60]
+    data = base64.b64decode(src.removeprefix("data:image/png;base64,"), validate=True)
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    assert image.format == "PNG"
+    return image
+
+
+def assert_readable_plot(image: Image.Image) -> None:
+    assert image.width >= 300 and image.height >= 200, image.size
+    colors = image.convert("RGB").getcolors(maxcolors=1 << 24)
+    assert len(colors) > 16, "a blank or nearly blank plot"
+
+
+def assert_self_contained(text: str, page: Page) -> None:
+    for reference in page.references:
+        assert reference.startswith(("data:image/png;base64,", "#")), reference[:80]
+    assert not {"script", "link", "iframe", "object", "embed"} & page.tags
+    assert "://" not in text and "url(" not in text and "@import" not in text
+
+
+# ------------------------------------------------------------------ the real flow on the tiny run
+
+
+@pytest.fixture(scope="module")
+def scored_store(tiny_qwen3_run, prefect_api_url, tmp_path_factory):
+    """A store holding the scores of every saved step of the tiny run and of one baseline drafter
+    (a copy of step 200 under another name), on its first N_PROMPTS prompts."""
+    from flows.evaluate import evaluate_checkpoint
+
+    root = tmp_path_factory.mktemp("report")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(tiny_qwen3_run.prompts_file.read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    store = Store(root / "store")
+    baseline = root / "z-lab" / "tiny-dflash-b8"
+    shutil.copytree(tiny_qwen3_run.drafter_steps[1], baseline)
+    config = json.loads((baseline / "config.json").read_text())
+    (baseline / "config.json").write_text(json.dumps({**config, "note": "baseline"}))  # its own checkpoint key
+    for drafter in [*tiny_qwen3_run.drafter_steps, baseline]:
+        results = evaluate_checkpoint(target=str(tiny_qwen3_run.target_dir), drafter=str(drafter), prompts=str(prompts),
+                                      max_new_tokens=MAX_NEW, store=str(store.root))
+    store.begin("baselines", results["keys"]["fetch"])
+    store.commit("baselines", results["keys"]["fetch"], {"checkpoint": results["keys"]["fetch"]})
+    return store
+
+
+@pytest.fixture(scope="module")
+def report(scored_store, tmp_path_factory):
+    out = tmp_path_factory.mktemp("report-out")
+    html_path = write_report(scored_store, out)
+    text = html_path.read_text()
+    return out, text, Page(text)
+
+
+@pytest.mark.slow
+def test_tau_table_lists_the_steps_in_order_and_tau_rises_with_training(report, tiny_qwen3_run):
+    out, _, page = report
+    table = page.table_after("step")
+    header, rows = table[0], table[1:]
+    assert header[:5] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled"]
+    steps = [int(p.name.removeprefix("step_")) for p in tiny_qwen3_run.drafter_steps]
+    assert [r[0] for r in rows] == [str(s) for s in steps] + ["baseline"]
+    taus = [float(r[2]) for r in rows[:-1]]
+    assert taus == sorted(taus) and taus[-1] - taus[0] > 0.5, taus
+    assert rows[len(steps) - 1][-1] == "best" and rows[-1][-1] == "baseline"
+    assert "REGRESSION" not in [r[-1] for r in rows]
+    low, high = (float(x) for x in rows[-2][3].split(" - "))
+    assert low < taus[-1] < high
+    # the acceptance curves, histograms and categories show the newest 3 steps and the baseline
+    categories = page.table_after("category")
+    assert categories[0][2:] == [f"drafter/step_{s}" for s in steps[-3:]] + ["z-lab/tiny-dflash-b8 (baseline)"]
+    assert [c[0] for c in categories[1:]] == ["code"]
+    assert not any("Diagnostics" in text for _, text in page.headings)
+
+
+@pytest.mark.slow
+def test_every_plot_is_an_embedded_png_and_nothing_is_loaded_from_outside(report):
+    out, text, page = report
+    assert len(page.images) == 3  # tau by step, acceptance by position, acceptance lengths
+    for image in page.images:
+        assert image.get("alt")
+        assert_readable_plot(png_of(image["src"]))
+    assert_self_contained(text, page)
+
+
+@pytest.mark.slow
+def test_the_markdown_shows_the_same_plots_from_files(report):
+    out, _, page = report
+    markdown = (out / "report.md").read_text()
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown)
+    assert len(links) == len(page.images)
+    for link in links:
+        assert link.startswith("img/") and link.endswith(".png")
+        assert_readable_plot(Image.open(out / link))
+    # the same bytes as the page's
+    assert sorted(base64.b64encode((out / link).read_bytes()).decode() for link in links) == \
+        sorted(image["src"].removeprefix("data:image/png;base64,") for image in page.images)
+    assert "| step | checkpoint | tau macro |" in markdown
+
+
+def diagnostics_of(row: dict, tau: float) -> dict:
+    """A diagnostics.json as tasks/diagnostics.py writes it, with text that HTML must not run."""
+    return {
+        "tau_macro": tau, "layer_ids": [1, 2], "num_target_layers": 4,
+        "layer_ablation": [{"layer_id": 1, "tau_macro": 2.2}, {"layer_id": 2, "tau_macro": 1.7}],
+        "all_layers_ablated": 1.03,
+        "layer_offset_probe": [
+            {"offset": -2, "layer_ids": [-1, 0], "tau_macro": None},
+            {"offset": -1, "layer_ids": [0, 1], "tau_macro": 2.5},
+            {"offset": 0, "layer_ids": [1, 2], "tau_macro": tau},
+            {"offset": 1, "layer_ids": [2, 3], "tau_macro": 2.8},
+            {"offset": 2, "layer_ids": [3, 4], "tau_macro": None},
+        ],
+        "sliding_switch": None,
+        "first_divergence": [
+            {"id": "tiny-003", "category": "code", "step": 4, "position": 40, "accepted": 2,
+             "context": "def f(x):\n    return <script>alert('x')</script>", "drafted": " x + 1\n  ",
+             "reference": " x & 2"},
+            {"id": "tiny-007", "category": "code", "step": 0, "position": 32, "accepted": 0,
+             "context": "import os", "drafted": "\nimport re", "reference": "\n\nfrom ```pathlib``` import Path"},
+        ],
+    }
+
+
+@pytest.mark.slow
+def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored_store, tmp_path):
+    from flows.history import history
+
+    store = Store(tmp_path / "store")
+    shutil.copytree(scored_store.root, store.root)
+    (group,) = history(store)
+    row = group.candidates[-1]
+    key = key_of({"diagnostics test": row["drafts"]})
+    write_json_atomic(store.begin("diagnostics", key) / "diagnostics.json", diagnostics_of(row, row["tau_macro"]))
+    store.commit("diagnostics", key, {"drafts": row["drafts"], "scores": row["scores"]})
+
+    text = write_report(store, tmp_path / "out").read_text()
+    page = Page(text)
+    assert ("h3", f"Diagnostics: {row['label']}") in page.headings
+    assert len(page.images) == 5  # the three of the group, the ablation and the offset probe
+    for image in page.images:
+        assert_readable_plot(png_of(image["src"]))
+    assert any(image["alt"] == "layer ablation" for image in page.images)
+    assert any(image["alt"] == "layer offset probe" for image in page.images)
+    examples = page.table_after("prompt")
+    assert examples[0] == ["prompt", "category", "step", "position", "accepted", "context", "drafted", "reference"]
+    assert examples[1][5:] == ["def f(x):\n    return <script>alert('x')</script>", " x + 1\n  ", " x & 2"]
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in text and " x &amp; 2" in text
+    assert "white-space: pre-wrap" in text
+    assert "no sliding-window layers" in text and "Offsets -2, +2" in text
+    assert_self_contained(text, page)
+
+    markdown = (tmp_path / "out" / "report.md").read_text()
+    assert "````text\n\n\nfrom ```pathlib``` import Path\n````" in markdown  # a fence the text cannot close
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", markdown):
+        assert (tmp_path / "out" / link).is_file()
+
+
+@pytest.mark.slow
+def test_diagnostics_from_the_diagnostics_stage_are_shown(scored_store, tiny_qwen3_run, tmp_path):
+    from flows.evaluate import evaluate_checkpoint
+
+    store = Store(tmp_path / "store")
+    shutil.copytree(scored_store.root, store.root)
+    prompts = scored_store.root.parent / "prompts.jsonl"
+    evaluate_checkpoint(target=str(tiny_qwen3_run.target_dir), drafter=str(tiny_qwen3_run.drafter_steps[-1]),
+                        prompts=str(prompts), max_new_tokens=MAX_NEW, store=str(store.root), until="diagnostics")
+    text = write_report(store, tmp_path / "out").read_text()
+    page = Page(text)
+    step = tiny_qwen3_run.drafter_steps[-1].name
+    assert ("h3", f"Diagnostics: drafter/{step}") in page.headings
+    assert [image["alt"] for image in page.images][-2:] == ["layer ablation", "layer offset probe"]
+    for image in page.images:
+        assert_readable_plot(png_of(image["src"]))
+    examples = page.table_after("prompt")
+    assert len(examples) > 1 and all(row[6] for row in examples[1:])  # each shows the drafted text
+
+
+@pytest.mark.slow
+def test_command_line_writes_the_report(scored_store, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["report", "--store", str(scored_store.root), "--out", str(out), "--last", "2"])
+    assert result.exit_code == 0, result.output
+    assert (out / "report.html").is_file() and (out / "report.md").is_file()
+    assert str(out / "report.html") in result.output and str(out / "report.md") in result.output
+    assert len(Page((out / "report.html").read_text()).table_after("category")[0]) == 2 + 2 + 1
+
+
+def test_command_line_on_an_empty_store_says_so(tmp_path):
+    result = CliRunner().invoke(app, ["report", "--store", str(tmp_path / "empty"), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1
+    assert "no scored checkpoint" in result.output
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(NothingToReport):
+        write_report(Store(tmp_path / "empty"), tmp_path / "out")
+
+
+# ------------------------------------------------------------------ fabricated entries: the other cases
+
+
+def fabricate(store: Store, source: str, step: int | None, tau: float, ci: tuple[float, float] | None,
+              baseline: bool = False, block_size: int = 8, semantics: str = "causal", **scores) -> None:
+    """Store entries as the flow writes them (fetch, references, features, drafts, scores), for a checkpoint
+    that scored `tau`; scores.json fields other than tau default to something plausible."""
+    checkpoint, references, features = key_of({"c": source}), key_of({"r": 1}), key_of({"f": 1})
+    drafts, scores_key = key_of({"d": source, "sem": semantics}), key_of({"s": source, "sem": semantics})
+    records = {
+        ("fetch", checkpoint): {"source": source, "step": step, "files": {}},
+        ("references", references): {"target": "/models/Target-8B", "prompts": "/suites/mixed.jsonl",
+                                     "max_new_tokens": 256},
+        ("features", features): {"references": references, "layer_ids": [1, 2]},
+        ("drafts", drafts): {"checkpoint": checkpoint, "features": features, "sliding_semantics": semantics,
+                             "block_size": block_size},
+        ("scores", scores_key): {"drafts": drafts},
+    }
+    if baseline:
+        records[("baselines", checkpoint)] = {"checkpoint": checkpoint}
+    lengths = {str(k): max(1, 60 - 8 * k + int(4 * tau)) for k in range(1, block_size + 1)}
+    write_json_atomic(store.begin("scores", scores_key) / "scores.json", {
+        "tau_macro": tau, "tau_macro_ci95": ci, "tau_pooled": tau - 0.1, "block_size": block_size,
+        "histogram": lengths, "position_acceptance": [min(1, 0.4 + tau / 10)] * (block_size - 1),
+        "tau_by_category": {"math": tau + 0.3, "chat": tau - 0.4}, "n_prompts": 3, "n_steps": sum(lengths.values()),
+        "projected_speedup": {"0.05": tau / 1.05, "0.1": tau / 1.1, "0.2": tau / 1.2},
+        "per_prompt": [{"id": "a", "category": "math"}, {"id": "b", "category": "math"},
+                       {"id": "c", "category": "chat"}],
+        **scores,
+    })
+    for (stage, key), record in records.items():
+        store.begin(stage, key)
+        store.commit(stage, key, record)
+
+
+def test_missing_steps_regressions_and_baselines(tmp_path):
+    store = Store(tmp_path / "store")
+    for step, tau in [(1000, 3.1), (2000, 3.6), (3000, 4.2), (4000, 3.0), (5000, 4.4)]:
+        fabricate(store, f"/runs/a/step_{step}", step, tau, (tau - 0.2, tau + 0.2), all_positions_tau=tau + 0.5)
+    fabricate(store, "/runs/b/step_2500", 2500, 3.9, (3.7, 4.1))  # another training run, same target and prompts
+    fabricate(store, "/runs/a/final", None, 4.3, None)  # no training step: in the table, not on the x axis
+    fabricate(store, "/hub/z-lab/Target-8B-DFlash-b16", None, 4.0, (3.8, 4.2), baseline=True, block_size=16,
+              position_acceptance=[0.8, 0.7, None] + [0.5] * 12)  # positions nobody reached
+    fabricate(store, "/hub/other/drafter", None, 3.5, (3.3, 3.7), baseline=True)
+
+    out = tmp_path / "out"
+    text = write_report(store, out, last=2).read_text()
+    page = Page(text)
+    (title,) = [t for tag, t in page.headings if tag == "h2"]
+    assert title == "Target-8B on mixed.jsonl, 256 new tokens (causal sliding layers)"
+    table = page.table_after("step")
+    assert table[0] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", "tau, all positions", ""]
+    assert [r[0] for r in table[1:]] == ["1000", "2000", "2500", "3000", "4000", "5000", "-", "baseline", "baseline"]
+    assert [r[-1] for r in table[1:]] == ["", "", "", "", "REGRESSION", "best", "", "baseline", "baseline"]
+    assert [r[1] for r in table[1:]][-3:] == ["a/final", "other/drafter", "z-lab/Target-8B-DFlash-b16"]
+    assert table[1][3:6] == ["2.90 - 3.30", "3.000", "3.600"] and table[7][3] == "-" and table[9][5] == "-"
+    assert "Projected speedup of the newest checkpoint, a/step_5000 (tau 4.40)" in text
+    categories = page.table_after("category")
+    assert categories == [  # the newest two candidates (the step-less one counts as newest) and the baselines
+        ["category", "prompts", "a/step_5000", "a/final", "other/drafter (baseline)",
+         "z-lab/Target-8B-DFlash-b16 (baseline)"],
+        ["chat", "1", "4.00", "3.90", "3.10", "3.60"],
+        ["math", "2", "4.70", "4.60", "3.80", "4.30"],
+    ]
+    assert len(page.images) == 3
+    for image in page.images:
+        assert_readable_plot(png_of(image["src"]))
+    assert_self_contained(text, page)
+    assert sorted(p.name for p in (out / "img").iterdir()) == \
+        ["group1-acceptance-lengths.png", "group1-position-acceptance.png", "group1-tau-by-step.png"]
+
+
+def test_rows_without_any_training_step_get_no_step_plot(tmp_path):
+    store = Store(tmp_path / "store")
+    fabricate(store, "/hub/z-lab/drafter", None, 4.0, (3.8, 4.2), baseline=True)
+    fabricate(store, "/models/mine", None, 3.0, (2.8, 3.2))
+    text = write_report(store, tmp_path / "out").read_text()
+    page = Page(text)
+    assert "No checkpoint has a training step" in text
+    assert [image["alt"] for image in page.images] == ["acceptance by draft position", "acceptance-length histogram"]
+    assert [r[0] for r in page.table_after("step")[1:]] == ["-", "baseline"]
+
+
+
+def test_each_group_has_its_section_and_plots(tmp_path):
+    store = Store(tmp_path / "store")
+    for semantics in ("causal", "non_causal"):  # one checkpoint scored both ways: two groups
+        fabricate(store, "/runs/a/step_100", 100, 3.0, (2.8, 3.2), semantics=semantics)
+        fabricate(store, "/runs/a/step_200", 200, 3.5, (3.3, 3.7), semantics=semantics)
+    out = tmp_path / "out"
+    text = write_report(store, out).read_text()
+    page = Page(text)
+    assert [t for tag, t in page.headings if tag == "h2"] == [
+        "Target-8B on mixed.jsonl, 256 new tokens (causal sliding layers)",
+        "Target-8B on mixed.jsonl, 256 new tokens (non_causal sliding layers)"]
+    assert page.references[:2] == ["#group1", "#group2"] and 'id="group1"' in text and 'id="group2"' in text
+    assert len(page.images) == 6
+    assert sorted(p.name for p in (out / "img").iterdir()) == sorted(
+        f"group{g}-{name}.png" for g in (1, 2) for name in ("tau-by-step", "position-acceptance", "acceptance-lengths"))
