@@ -211,6 +211,53 @@ def serve_reference(
         raise typer.Exit(2) from None
 
 
+@app.command()
+def notify(
+    checkpoint: str = typer.Option(..., "--checkpoint", help="The saved checkpoint, as the evaluation fetches it: "
+                                   "a relay URL (http://relay:8700/run1/step_1000) or a folder."),
+    step: int = typer.Option(None, "--step", help="Its training step (shown with the event)."),
+    api_url: str = typer.Option(None, "--api-url", help="Prefect API URL (default $PREFECT_API_URL)."),
+):
+    """For training scripts: announce a saved checkpoint (event dflash.checkpoint.saved), which starts
+    its evaluation. Always exits 0 and within seconds: an unreachable server is only reported."""
+    from flows.notify import EVENT
+    from flows.notify import notify as send
+
+    if send(checkpoint, step, api_url):
+        typer.echo(f"sent {EVENT} for {checkpoint}")
+
+
+@app.command()
+def serve(
+    target: str = TARGET, prompts: str = PROMPTS, store: str = STORE, max_new_tokens: int = MAX_NEW,
+    relay: str = typer.Option(None, "--relay", help="Also watch this relay (http://HOST:PORT) and evaluate "
+                              "checkpoints not scored yet, oldest step first."),
+    watch_interval: float = typer.Option(300, "--watch-interval", help="Seconds between two looks at the relay."),
+    dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS,
+    baseline: str = BASELINE,
+):
+    """Serve the deployments on this machine without a work pool (Prefect serve), until interrupted:
+    evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
+    rerun-<stage>. Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api."""
+    import os
+
+    from flows.deployments import serve_deployments
+
+    if not os.environ.get("PREFECT_API_URL"):
+        typer.secho("error: set PREFECT_API_URL to a Prefect server (`prefect server start`): deployments, "
+                    "event triggers and schedules live there", err=True, fg="red")
+        raise typer.Exit(2)
+    def absolute(path: str) -> str:  # flow runs start in other processes: no relative paths
+        return str(Path(path).resolve()) if Path(path).exists() else path
+
+    parameters = {"dtype": dtype, "device": device, "sliding_semantics": sliding_semantics}
+    if baseline:
+        parameters["baseline"] = absolute(baseline)
+    serve_deployments(target=absolute(target), prompts=absolute(prompts), relay=relay,
+                      store=str(Path(store).resolve()) if store else None, watch_interval=watch_interval,
+                      max_new_tokens=max_new_tokens, parameters=parameters)
+
+
 @app.command("history")
 def history_command(store: str = STORE):
     """Tau of every scored checkpoint in the store, by training step, with the best one and regressions

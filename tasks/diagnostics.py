@@ -20,6 +20,7 @@ from storage.feature_store import FeatureStore
 from .drafts import PROMPTS_PER_GROUP, Drafts
 from .features import FeatureSet
 from .fetch import Checkpoint
+from .heavy import heavy
 from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .scores import Scores
@@ -130,6 +131,6 @@ def diagnose(
         write_json_atomic(entry / "diagnostics.json", report, indent=1)
         return {"drafts": drafts.key, "scores": scores.key}
 
-    _, computed = run_entry(store, STAGE, key, compute, refresh)
+    _, computed = run_entry(store, STAGE, key, heavy(compute), refresh)
     diagnostics = Diagnostics(key=key, path=str(store.entry(STAGE, key) / "diagnostics.json"))
     return diagnostics if computed else cached(diagnostics)

@@ -15,6 +15,7 @@ from storage.feature_store import FeatureStore
 
 from .features import FeatureSet
 from .fetch import Checkpoint
+from .heavy import heavy
 from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .stage import cached, run_entry
@@ -85,7 +86,7 @@ def draft(
         return {"checkpoint": checkpoint.key, "features": features.key, "block_size": drafter.block_size,
                 "sliding_semantics": sliding_semantics, "layer_ids": list(drafter.target_layer_ids)}
 
-    record, computed = run_entry(store, STAGE, key, compute, refresh)
+    record, computed = run_entry(store, STAGE, key, heavy(compute), refresh)
     drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record["block_size"],
                     sliding_semantics=record["sliding_semantics"])
     return drafts if computed else cached(drafts)

@@ -16,6 +16,7 @@ from dflash_core.features import extract_features, length_sorted_batches
 from storage import Store, key_of
 from storage.feature_store import FeatureStore
 
+from .heavy import heavy_stage
 from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .stage import cached
@@ -66,7 +67,8 @@ def extract_target_features(
         feature_store = FeatureStore.in_entry(entry)
         missing = feature_store.missing(layer_ids, refs.n)
         if missing:
-            _extract(target_dir, refs, missing, feature_store, dtype, device)
+            with heavy_stage():
+                _extract(target_dir, refs, missing, feature_store, dtype, device)
         store.commit(STAGE, key, {
             "layer_ids": sorted(set(held) | set(layer_ids)), "n": refs.n, "references": refs.key, "dtype": dtype,
         })

@@ -1,0 +1,66 @@
+"""Watch a relay: start an evaluation for every checkpoint not scored yet, oldest step first.
+
+Each evaluation is a run of the evaluate-checkpoint deployment, created with an idempotency key made
+of the checkpoint's content key and the evaluation's settings: Prefect returns the existing run for a
+key it has seen, so two watchers that overlap (or a watcher that runs again before the first
+evaluation finished) never start the same evaluation twice.
+"""
+
+import hashlib
+import json
+
+from prefect import flow, get_run_logger
+from prefect.deployments import run_deployment
+
+from storage import Store
+from storage.relay_client import RelayClient
+
+from .history import history
+from tasks.fetch import relay_token
+
+EVALUATE_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
+
+
+def scored_checkpoints(store: Store) -> set[str]:
+    """Content keys of every checkpoint the store has scores for."""
+    return {row["checkpoint"] for group in history(store) for row in group.rows}
+
+
+@flow(name="watch-relay", persist_result=False)
+def watch_relay(
+    relay: str,
+    target: str,
+    prompts: str,
+    store: str | None = None,
+    max_new_tokens: int = 256,
+    parameters: dict | None = None,
+    deployment: str = EVALUATE_DEPLOYMENT,
+    relay_token_file: str | None = None,
+) -> list[dict]:
+    """Start evaluate-checkpoint for each checkpoint on `relay` that the store has not scored, oldest
+    step first (checkpoints without a step last, by path). parameters: more evaluate-checkpoint
+    parameters (dtype, device, ...). Returns what it started: path, step, checkpoint key, flow run id."""
+    logger = get_run_logger()
+    base_url = relay.rstrip("/")
+    client = RelayClient(base_url, token=relay_token(relay_token_file))
+    done = scored_checkpoints(Store(store))
+    checkpoints = sorted(client.list_checkpoints(), key=lambda c: (c["step"] is None, c["step"] or 0, c["path"]))
+    settings = {"target": target, "prompts": prompts, "store": store, "max_new_tokens": max_new_tokens,
+                **(parameters or {})}
+    started = []
+    for checkpoint in checkpoints:
+        key = client.manifest(checkpoint["path"])["key"]
+        if key in done:
+            continue
+        run_parameters = {**settings, "drafter": f"{base_url}/{checkpoint['path']}"}
+        if relay_token_file:
+            run_parameters["relay_token_file"] = relay_token_file
+        identity = hashlib.sha256(json.dumps({**settings, "checkpoint": key}, sort_keys=True).encode()).hexdigest()
+        run = run_deployment(deployment, parameters=run_parameters, timeout=0, idempotency_key=f"dflash-eval-{identity}",
+                             flow_run_name=f"evaluate {checkpoint['path']}")
+        logger.info(f"{checkpoint['path']} (step {checkpoint['step']}): evaluation {run.name} ({run.state_name})")
+        started.append({"path": checkpoint["path"], "step": checkpoint["step"], "checkpoint": key,
+                        "flow_run_id": str(run.id)})
+    if not started:
+        logger.info(f"every checkpoint on {base_url} is scored or being scored")
+    return started

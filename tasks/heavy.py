@@ -1,0 +1,62 @@
+"""One heavy stage at a time per machine: features, drafts and diagnostics hold the CPU/GPU and the
+memory of a whole model, so two flow runs on one machine (a watcher starting several evaluations)
+take turns through a Prefect global concurrency limit named after the machine.
+
+The limit is created with 1 slot on first use; raise it on the server to allow more
+(`prefect gcl update dflash-heavy-stages-<host> --limit 2`). Cached stages never take a slot.
+"""
+
+import re
+import socket
+from contextlib import contextmanager
+from functools import lru_cache
+
+from prefect import get_client, get_run_logger
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+DEFAULT_SLOTS = 1
+SLOT_TAKEN, SLOT_RELEASED = "took a heavy-stage slot of", "released a heavy-stage slot of"  # log lines
+
+
+def heavy_limit_name() -> str:
+    """The concurrency limit of this machine's heavy stages."""
+    host = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-") or "host"
+    return f"dflash-heavy-stages-{host}"
+
+
+@lru_cache(maxsize=None)
+def _ensure_limit(name: str, api_url: str) -> None:
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            try:
+                client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=DEFAULT_SLOTS))
+            except ObjectAlreadyExists:  # another run created it first
+                pass
+
+
+@contextmanager
+def heavy_stage():
+    """Hold one of this machine's heavy-stage slots (waits for a free one)."""
+    from prefect.settings import PREFECT_API_URL
+
+    name = heavy_limit_name()
+    _ensure_limit(name, str(PREFECT_API_URL.value()))  # per server: a test session may talk to several
+    logger = get_run_logger()
+    with concurrency(name, occupy=1, strict=True):
+        logger.info(f"{SLOT_TAKEN} {name}")
+        try:
+            yield
+        finally:
+            logger.info(f"{SLOT_RELEASED} {name}")
+
+
+def heavy(compute):
+    """`compute` (a stage's run_entry function), run while holding a heavy-stage slot."""
+    def run(entry):
+        with heavy_stage():
+            return compute(entry)
+    return run
