@@ -27,10 +27,10 @@ from dflash_core.drafter import DrafterConfig, DrafterError, check_compatible, r
 from dflash_core.prompts import PromptError
 from dflash_core.reference_backends import BackendError, open_backend
 from dflash_core.target import read_target_config
-from storage import Store, read_json
-from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
 from flows.artifacts import publish
 from flows.history import BASELINES
+from storage import Store, read_json
+from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
 from tasks.diagnostics import diagnose, layers_needed
 from tasks.drafts import draft
 from tasks.features import extract_target_features
@@ -58,7 +58,6 @@ class CheckedInputs:
     drafter: DrafterConfig
     n_prompts: int
     num_target_layers: int
-    baseline: DrafterConfig | None = None
 
 
 def check_inputs(
@@ -98,7 +97,6 @@ def check_inputs(
         check_compatible(drafter_config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
-    baseline_config = None
     if baseline is not None:
         try:
             baseline_config = _read_drafter_source(baseline, relay_token_file)
@@ -123,8 +121,7 @@ def check_inputs(
             backend.check_matches(target_config.vocab_size)
         except (ValueError, BackendError) as e:
             raise InputError(f"reference server: {e}") from None
-    return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers,
-                         baseline=baseline_config)
+    return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers)
 
 
 def _read_drafter_source(drafter: str, relay_token_file: str | None) -> DrafterConfig:

@@ -3,7 +3,8 @@
 Each evaluation is a run of the evaluate-checkpoint deployment, created with an idempotency key made
 of the checkpoint's content key and the evaluation's settings: Prefect returns the existing run for a
 key it has seen, so two watchers that overlap (or a watcher that runs again before the first
-evaluation finished) never start the same evaluation twice.
+evaluation finished) never start the same evaluation twice. An evaluation that failed is started
+again by the next look (a new attempt, with its own key), up to MAX_ATTEMPTS times.
 """
 
 import hashlib
@@ -14,11 +15,12 @@ from prefect.deployments import run_deployment
 
 from storage import Store
 from storage.relay_client import RelayClient
-
-from .history import history
 from tasks.fetch import relay_token
 
+from .history import history
+
 EVALUATE_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
+MAX_ATTEMPTS = 3  # evaluations of one checkpoint that failed before the watcher gives up on it
 
 
 def scored_checkpoints(store: Store) -> set[str]:
@@ -56,11 +58,19 @@ def watch_relay(
         if relay_token_file:
             run_parameters["relay_token_file"] = relay_token_file
         identity = hashlib.sha256(json.dumps({**settings, "checkpoint": key}, sort_keys=True).encode()).hexdigest()
-        run = run_deployment(deployment, parameters=run_parameters, timeout=0, idempotency_key=f"dflash-eval-{identity}",
-                             flow_run_name=f"evaluate {checkpoint['path']}")
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            run = run_deployment(deployment, parameters=run_parameters, timeout=0,
+                                 idempotency_key=f"dflash-eval-{identity}-{attempt}",
+                                 flow_run_name=f"evaluate {checkpoint['path']}")
+            if not (run.state and run.state.is_final() and not run.state.is_completed()):
+                break  # new, scheduled, running or completed: this attempt stands
+        else:
+            logger.warning(f"{checkpoint['path']}: the last {MAX_ATTEMPTS} evaluations failed ({run.name}: "
+                           f"{run.state.message}); not retried: fix it and run `dflash-eval run` by hand")
+            continue
         logger.info(f"{checkpoint['path']} (step {checkpoint['step']}): evaluation {run.name} ({run.state_name})")
         started.append({"path": checkpoint["path"], "step": checkpoint["step"], "checkpoint": key,
-                        "flow_run_id": str(run.id)})
+                        "flow_run_id": str(run.id), "attempt": attempt})
     if not started:
         logger.info(f"every checkpoint on {base_url} is scored or being scored")
     return started

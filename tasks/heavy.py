@@ -1,9 +1,13 @@
 """One heavy stage at a time per machine: features, drafts and diagnostics hold the CPU/GPU and the
-memory of a whole model, so two flow runs on one machine (a watcher starting several evaluations)
-take turns through a Prefect global concurrency limit named after the machine.
-
-The limit is created with 1 slot on first use; raise it on the server to allow more
+memory of a whole model, so flow runs started by deployments on one machine (a watcher starting
+several evaluations, events arriving together) take turns through a Prefect global concurrency limit
+named after the machine. It is created with 1 slot on first use; raise it on the server to allow more
 (`prefect gcl update dflash-heavy-stages-<host> --limit 2`). Cached stages never take a slot.
+
+Only deployment runs take slots. They need a real `prefect server start`, whose repossessor frees
+the slot of a run that died holding it once its 60 s lease lapses. The temporary server of a run by
+hand has no repossessor, so a killed `dflash-eval run` would hold its slot for good; runs by hand
+rely on the store's entry locks alone (two of them never compute the same entry twice).
 """
 
 import re
@@ -15,8 +19,10 @@ from prefect import get_client, get_run_logger
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.runtime import deployment
 
 DEFAULT_SLOTS = 1
+LEASE_SECONDS = 60  # the server's minimum: how long a dead holder keeps its slot
 SLOT_TAKEN, SLOT_RELEASED = "took a heavy-stage slot of", "released a heavy-stage slot of"  # log lines
 
 
@@ -40,13 +46,16 @@ def _ensure_limit(name: str, api_url: str) -> None:
 
 @contextmanager
 def heavy_stage():
-    """Hold one of this machine's heavy-stage slots (waits for a free one)."""
+    """Hold one of this machine's heavy-stage slots (waits for a free one) in a deployment run."""
     from prefect.settings import PREFECT_API_URL
 
+    if deployment.id is None:  # a run by hand: see the module docstring
+        yield
+        return
     name = heavy_limit_name()
     _ensure_limit(name, str(PREFECT_API_URL.value()))  # per server: a test session may talk to several
     logger = get_run_logger()
-    with concurrency(name, occupy=1, strict=True):
+    with concurrency(name, occupy=1, strict=True, lease_duration=LEASE_SECONDS):
         logger.info(f"{SLOT_TAKEN} {name}")
         try:
             yield

@@ -205,6 +205,35 @@ def slot_intervals(client, run_ids) -> list[tuple]:
     return [(at, released[task]) for at, task in taken]
 
 
+def test_watcher_retries_a_failed_evaluation_a_bounded_number_of_times(prefect_server, served, setup, tmp_path):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows.watch import MAX_ATTEMPTS, watch_relay
+
+    broken = tmp_path / "runs" / "run2" / "step_50"
+    shutil.copytree(setup["tiny"].drafter_steps[0], broken)
+    config = json.loads((broken / "config.json").read_text())
+    (broken / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] + 1}))
+    with RelayServer(tmp_path / "runs", state_dir=tmp_path / "relay_state", settle_seconds=0) as relay:
+        attempts = []
+        for _ in range(MAX_ATTEMPTS + 1):
+            with temporary_settings({PREFECT_API_URL: prefect_server["url"]}):
+                started = watch_relay(relay=relay.url, target=str(setup["tiny"].target_dir),
+                                      prompts=str(setup["prompts"]), store=str(setup["store"]), max_new_tokens=MAX_NEW)
+            if not started:
+                break
+            (run,) = started
+            attempts.append(run["attempt"])
+            with client_of(prefect_server) as client:
+                def failed():
+                    state = client.read_flow_run(run["flow_run_id"]).state
+                    assert not state.is_completed(), "a drafter that does not fit the target was evaluated"
+                    return state.is_final()
+
+                wait_for(failed, 120, "the broken checkpoint's evaluation to fail", every=1)
+    assert attempts == list(range(1, MAX_ATTEMPTS + 1)) and not started
+
+
 def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
