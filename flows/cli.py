@@ -102,7 +102,13 @@ def _print_diagnostics(console, d: dict) -> None:
                       markup=False)
 
 
-def _write(results: dict, out: Path | None) -> None:
+def _absolute(path: str) -> str:
+    """An existing file or folder as an absolute path (flow runs start in other processes); else as given
+    (a suite name, a URL)."""
+    return str(Path(path).resolve()) if Path(path).exists() else path
+
+
+def _write(results: dict | list, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))
@@ -228,6 +234,28 @@ def notify(
 
 
 @app.command()
+def watch(
+    relay: str = typer.Option(..., "--relay", help="The relay to look at (http://HOST:PORT)."),
+    target: str = TARGET, prompts: str = PROMPTS, store: str = STORE, max_new_tokens: int = MAX_NEW,
+    relay_token_file: str = RELAY_TOKEN_FILE,
+    out: Path = typer.Option(None, "--out", help="Write what was started (JSON) here."),
+):
+    """Look at a relay once: start the evaluate-checkpoint deployment for each checkpoint not scored
+    yet, oldest step first (what the watch-relay deployment does on its schedule). Needs a Prefect
+    server with the deployment (`dflash-eval serve`)."""
+    from flows.watch import watch_relay
+
+    started = watch_relay(relay=relay, target=_absolute(target), prompts=_absolute(prompts),
+                          store=str(Path(store).resolve()) if store else None, max_new_tokens=max_new_tokens,
+                          relay_token_file=relay_token_file)
+    for run in started:
+        typer.echo(f"{run['path']} (step {run['step']}): flow run {run['flow_run_id']}, attempt {run['attempt']}")
+    if not started:
+        typer.echo("nothing to start: every checkpoint is scored or being scored")
+    _write(started, out)
+
+
+@app.command()
 def serve(
     target: str = TARGET, prompts: str = PROMPTS, store: str = STORE, max_new_tokens: int = MAX_NEW,
     relay: str = typer.Option(None, "--relay", help="Also watch this relay (http://HOST:PORT) and evaluate "
@@ -247,13 +275,10 @@ def serve(
         typer.secho("error: set PREFECT_API_URL to a Prefect server (`prefect server start`): deployments, "
                     "event triggers and schedules live there", err=True, fg="red")
         raise typer.Exit(2)
-    def absolute(path: str) -> str:  # flow runs start in other processes: no relative paths
-        return str(Path(path).resolve()) if Path(path).exists() else path
-
     parameters = {"dtype": dtype, "device": device, "sliding_semantics": sliding_semantics}
     if baseline:
-        parameters["baseline"] = absolute(baseline)
-    serve_deployments(target=absolute(target), prompts=absolute(prompts), relay=relay,
+        parameters["baseline"] = _absolute(baseline)
+    serve_deployments(target=_absolute(target), prompts=_absolute(prompts), relay=relay,
                       store=str(Path(store).resolve()) if store else None, watch_interval=watch_interval,
                       max_new_tokens=max_new_tokens, parameters=parameters)
 

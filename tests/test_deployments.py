@@ -8,7 +8,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -153,30 +152,32 @@ def test_deployments_are_served(prefect_server, served):
         assert evaluate.parameters["max_new_tokens"] == MAX_NEW
 
 
-def test_watcher_starts_new_checkpoints_once_in_step_order(prefect_server, served, setup):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+def watch(prefect_server, relay_url, setup, out: Path) -> subprocess.Popen:
+    """One look at the relay by `dflash-eval watch`, in its own process, as a scheduled watcher runs."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "watch", "--relay", relay_url, "--target", str(setup["tiny"].target_dir),
+         "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
+         "--out", str(out)],
+        env={**os.environ, "PREFECT_API_URL": prefect_server["url"]}, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parent.parent)
 
-    from flows.watch import watch_relay
 
-    started = []
+def watched(process: subprocess.Popen, out: Path) -> list[dict]:
+    output, _ = process.communicate(timeout=180)
+    assert process.returncode == 0, output[-3000:]
+    return json.loads(out.read_text())
 
-    def watch():
-        with temporary_settings({PREFECT_API_URL: prefect_server["url"]}):
-            started.append(watch_relay(relay=served["relay"].url, target=str(setup["tiny"].target_dir),
-                                       prompts=str(setup["prompts"]), store=str(setup["store"]),
-                                       max_new_tokens=MAX_NEW))
 
-    watchers = [threading.Thread(target=watch) for _ in range(2)]  # two overlapping watchers
-    for w in watchers:
-        w.start()
-    for w in watchers:
-        w.join()
-    assert len(started) == 2
+def test_watcher_starts_new_checkpoints_once_in_step_order(prefect_server, served, setup, tmp_path):
+    # two overlapping watchers
+    watchers = [watch(prefect_server, served["relay"].url, setup, tmp_path / f"watch{i}.json") for i in range(2)]
+    started = [watched(w, tmp_path / f"watch{i}.json") for i, w in enumerate(watchers)]
     assert [[s["path"] for s in w] for w in started] == [["run1/step_100", "run1/step_200"]] * 2
     assert started[0] == started[1]  # the same two runs: the second watcher got the first one's back
     with client_of(prefect_server) as client:
         runs = evaluation_runs(client)
         assert [r.parameters["drafter"].rsplit("/", 1)[1] for r in runs] == ["step_100", "step_200"]
+        assert [str(r.id) for r in runs] == [s["flow_run_id"] for s in started[0]]
         finished = wait_finished(client, [r.id for r in runs], served["log"])
         # Both ran at once in the served process; their heavy stages took turns.
         assert all(r.state.name == "Completed" for r in finished)
@@ -185,9 +186,7 @@ def test_watcher_starts_new_checkpoints_once_in_step_order(prefect_server, serve
         heavy = slot_intervals(client, [r.id for r in finished])
         assert len(heavy) == 3  # features once (the other run's is cached), drafts twice
         assert all(end <= next_start for (_, end), (next_start, _) in zip(heavy, heavy[1:])), heavy
-    with temporary_settings({PREFECT_API_URL: prefect_server["url"]}):
-        again = watch_relay(relay=served["relay"].url, target=str(setup["tiny"].target_dir),
-                            prompts=str(setup["prompts"]), store=str(setup["store"]), max_new_tokens=MAX_NEW)
+    again = watched(watch(prefect_server, served["relay"].url, setup, tmp_path / "again.json"), tmp_path / "again.json")
     assert again == []  # both scored now
     with client_of(prefect_server) as client:
         assert len(evaluation_runs(client)) == 2
@@ -206,9 +205,7 @@ def slot_intervals(client, run_ids) -> list[tuple]:
 
 
 def test_watcher_retries_a_failed_evaluation_a_bounded_number_of_times(prefect_server, served, setup, tmp_path):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flows.watch import MAX_ATTEMPTS, watch_relay
+    from flows.watch import MAX_ATTEMPTS
 
     broken = tmp_path / "runs" / "run2" / "step_50"
     shutil.copytree(setup["tiny"].drafter_steps[0], broken)
@@ -216,10 +213,9 @@ def test_watcher_retries_a_failed_evaluation_a_bounded_number_of_times(prefect_s
     (broken / "config.json").write_text(json.dumps({**config, "hidden_size": config["hidden_size"] + 1}))
     with RelayServer(tmp_path / "runs", state_dir=tmp_path / "relay_state", settle_seconds=0) as relay:
         attempts = []
-        for _ in range(MAX_ATTEMPTS + 1):
-            with temporary_settings({PREFECT_API_URL: prefect_server["url"]}):
-                started = watch_relay(relay=relay.url, target=str(setup["tiny"].target_dir),
-                                      prompts=str(setup["prompts"]), store=str(setup["store"]), max_new_tokens=MAX_NEW)
+        for look in range(MAX_ATTEMPTS + 1):
+            out = tmp_path / f"look{look}.json"
+            started = watched(watch(prefect_server, relay.url, setup, out), out)
             if not started:
                 break
             (run,) = started
