@@ -183,7 +183,14 @@ def test_all_positions_tau_is_scored_on_request(run_dir, diagnosed):
 
     results, _ = evaluate(run_dir, run_dir["tiny"].drafter_steps[-1], all_positions=True)
     assert results["tau_macro"] == diagnosed[-1][0]["tau_macro"]  # the same decode path
-    assert 1 <= results["all_positions_tau"] <= results["block_size"]
+    from storage import read_json
+
+    per_prompt = read_json(Store(run_dir["store"]).entry("drafts", results["keys"]["drafts"]) / "drafts.json")["per_prompt"]
+    for prompt in per_prompt:  # the decode path visits a subset of all positions, with the same lengths there
+        first = prompt["starts"][0]
+        assert [prompt["all_positions"][s - first] for s in prompt["starts"]] == prompt["acceptance_lengths"]
+    means = [sum(p["all_positions"]) / len(p["all_positions"]) for p in per_prompt]
+    assert results["all_positions_tau"] == pytest.approx(sum(means) / len(means))
     (group,) = history(Store(run_dir["store"]))
     rows = [r for r in group.rows if r["step"] == 400 and not r["baseline"]]
     assert len(rows) == 1 and rows[0]["all_positions_tau"] == results["all_positions_tau"]
