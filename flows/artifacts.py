@@ -41,7 +41,7 @@ def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
     try:
         from .report import write_report  # matplotlib: imported only when a run has scores to show
 
-        report = write_report(store, report_dir)
+        report = write_report(store, report_dir, groups=groups)  # the store's scores, read once
     except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them
         logger.error(f"the report could not be written to {report_dir} ({type(e).__name__}: {e}); "
                      "the scores are in the store: rerun `dflash-eval report --out DIR` once fixed")

@@ -90,12 +90,12 @@ class Examples:
     rows: list[dict]
 
 
-def write_report(store: Store, out_dir: Path, last: int = 3) -> Path:
+def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group] | None = None) -> Path:
     """Write `out_dir/report.html` (self-contained), `out_dir/report.md` and its plots `out_dir/img/*.png`;
     return the HTML path. `last`: how many of the newest checkpoints of each group the acceptance curves,
-    histograms and category table show (with the baselines). Raises NothingToReport on a store
-    without scores."""
-    groups = history(store)
+    histograms and category table show (with the baselines). groups: history(store), when the caller
+    has it already. Raises NothingToReport on a store without scores."""
+    groups = history(store) if groups is None else groups
     if not groups:
         raise NothingToReport(f"no scored checkpoint in {store.root}: nothing to report")
     diagnostics = _diagnostics_by_checkpoint(store)
