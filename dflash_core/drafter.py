@@ -26,9 +26,10 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-# How sliding-window layers treat the block. "causal": block position k sees block positions <= k and
-# a window over context + block, as SGLang, vLLM and the SpecForge training mask do (the default).
-# "non_causal": the whole block is visible, as the z-lab transformers reference did.
+# How sliding-window layers treat the block when the config does not say (no is_causal). "causal":
+# block position k sees block positions <= k and a window over context + block, as SGLang, vLLM, the
+# SpecForge training mask and z-lab's current reference do (the default). "non_causal": the whole
+# block (within the window) is visible, as z-lab's transformers reference did before it read is_causal.
 SLIDING_SEMANTICS = ("causal", "non_causal")
 
 
@@ -38,6 +39,79 @@ class DrafterError(ValueError):
 
 # ----------------------------------------------------------------------------------------------
 # Config
+#
+# config.json is a Qwen3 config plus DFlash fields. Every field that changes the drafted tokens is
+# read, or refused by name; the fields that do not change them are listed in IGNORED_FIELDS with the
+# reason; any other top-level field is warned about (Hugging Face writes many). README.md, "Drafter
+# config fields", is the table of all of them.
+
+ARCHITECTURE = "DFlashDraftModel"  # the only architecture whose forward pass this file implements
+
+# Top-level fields read with their Qwen3Config meaning (plus is_causal, as z-lab's reference reads it).
+READ_FIELDS = (
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias", "vocab_size", "draft_vocab_size",
+    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "rope_theta",
+    "rope_scaling", "rope_parameters", "max_position_embeddings", "is_causal", "dflash_config",
+)
+
+# DFlash fields: looked up in dflash_config first, then at the top level (z-lab's reference does the
+# same; older exports put block_size, mask_token_id, ... at the top). dflash_config is a small
+# namespace: a key that is neither here nor in EXTRA_MODULE_FIELDS is refused.
+DFLASH_FIELDS = (
+    "target_layer_ids", "mask_token_id", "mask_token", "block_size", "num_target_layers", "causal",
+    "use_swa", "swa_window_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+    "attention_sink_bias", "projector_type", "pure_draft_prefix_len", "shift_label",
+)
+
+# Fields that switch on math this file does not implement: refused unless they hold their "off"
+# value (null is always off). name -> (off values, what the field does).
+SWITCHES = {
+    "attention_sink_bias": ((False,), "a learned attention-sink logit in every softmax (MiMo/DSpark drafters)"),
+    "add_swa_attention_sink_bias": ((False,), "a learned attention-sink logit in sliding layers (MiMo)"),
+    "add_full_attention_sink_bias": ((False,), "a learned attention-sink logit in full layers (MiMo)"),
+    "partial_rotary_factor": ((1, 1.0), "RoPE on part of each head only (MiMo-style drafters); "
+                                        "transformers' Qwen3 RoPE, which z-lab's reference uses, ignores it"),
+    "projector_type": ((), "a logits head on top of the drafter (SpecForge Domino/DSpark)"),
+    "pure_draft_prefix_len": ((0,), "a prefix of the block drafted without the logits head (SpecForge Domino)"),
+    "shift_label": ((False,), "block position k predicting token start+k+1 instead of start+k"),
+    "quantization_config": ((), "quantized weights (dequantize the checkpoint first)"),
+}
+
+# Fields of other architectures' extra modules: refused whenever present (not null).
+EXTRA_MODULE_FIELDS = {
+    "conv_kernel_size": "DFlash2's dynamic convolutions", "conv_group_size": "DFlash2's dynamic convolutions",
+    "selector_rank": "DFlash2's candidate selector", "selector_top_k": "DFlash2's candidate selector",
+    "emb_dim": "Domino's GRU logits head", "gru_hidden_dim": "Domino's GRU logits head",
+    "hybrid_layer_pattern": "MiMo's layer pattern (this loader reads layer_types)",
+    "swa_head_dim": "MiMo's separate sliding-layer shapes", "swa_v_head_dim": "MiMo's separate sliding-layer shapes",
+    "swa_num_attention_heads": "MiMo's separate sliding-layer shapes",
+    "swa_num_key_value_heads": "MiMo's separate sliding-layer shapes",
+    "swa_rope_theta": "MiMo's separate sliding-layer RoPE", "v_head_dim": "value heads of another size than head_dim",
+}
+
+# Top-level fields that do not change the drafted tokens, and why.
+IGNORED_FIELDS = {
+    "model_type": "the architecture decides the forward pass, and every weight is checked by name and shape",
+    "auto_map": "remote code is never run",
+    "dtype": "the caller chooses the compute dtype (load_drafter(dtype=...))",
+    "torch_dtype": "the caller chooses the compute dtype (load_drafter(dtype=...))",
+    "tie_word_embeddings": "the drafter has no embedding or head: the target's are used",
+    "bos_token_id": "the references decide where sequences start and stop",
+    "eos_token_id": "the references decide where sequences start and stop",
+    "pad_token_id": "the references decide where sequences start and stop",
+    "attention_dropout": "dropout is off at inference",
+    "initializer_range": "used only to initialise training",
+    "use_cache": "inference plumbing: the context keys/values are computed once per sequence anyway",
+    "transformers_version": "provenance",
+    "_name_or_path": "provenance",
+    "step": "the training step (dflash-eval history reads it)",
+    "global_step": "the training step (dflash-eval history reads it)",
+}
+
+
+class DrafterConfigWarning(UserWarning):
+    """A config.json field read with a choice the user should know about (e.g. two places disagree)."""
 
 
 def fallback_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -47,6 +121,218 @@ def fallback_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[in
     start, end = 1, num_target_layers - 3
     span = end - start
     return [int(round(start + i * span / (num_draft_layers - 1))) for i in range(num_draft_layers)]
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Fields:
+    """config.json as read: the DFlash lookup order, and errors/warnings that name the file."""
+
+    def __init__(self, raw: dict, source: str):
+        self.raw, self.source = raw, source
+        self.nested = raw.get("dflash_config") or {}
+        if not isinstance(self.nested, dict):
+            self.fail(f"'dflash_config' must be an object, got {type(self.nested).__name__}")
+
+    def fail(self, message: str):
+        raise DrafterError(f"{self.source}: {message}")
+
+    def warn(self, message: str):
+        warnings.warn(f"{self.source}: {message}", DrafterConfigWarning, stacklevel=3)
+
+    def dflash(self, key: str):
+        """dflash_config[key], else the top-level key (null counts as absent); warns when both differ."""
+        nested, top = self.nested.get(key), self.raw.get(key)
+        if nested is not None and top is not None and nested != top:
+            self.warn(f"dflash_config.{key} = {nested!r} and top-level {key} = {top!r} differ; using "
+                      f"dflash_config's, as z-lab's reference and SGLang do")
+        return top if nested is None else nested
+
+    def name(self, key: str) -> str:
+        """Where a DFlash field was found, for messages."""
+        return f"dflash_config.{key}" if self.nested.get(key) is not None else key
+
+    def integer(self, key: str, value, minimum: int):
+        if value is not None and not (_is_int(value) and value >= minimum):
+            self.fail(f"{key} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def boolean(self, key: str, value):
+        if value is not None and not isinstance(value, bool):
+            self.fail(f"{key} must be true, false or null, got {value!r}")
+        return value
+
+
+def _refuse_unimplemented(fields: _Fields) -> None:
+    """Refuse, by name, every field that asks for math this file does not compute."""
+    raw, nested = fields.raw, fields.nested
+    architectures = raw.get("architectures")
+    if architectures is not None and architectures != [ARCHITECTURE]:
+        fields.fail(f"architectures {architectures!r}: only {ARCHITECTURE} is implemented here (DFlash2DraftModel adds "
+                    "dynamic convolutions and a candidate selector; Domino/DSpark drafters add logits heads). "
+                    "Score this checkpoint with its own reference implementation.")
+    unknown = sorted(set(nested) - set(DFLASH_FIELDS) - set(EXTRA_MODULE_FIELDS))
+    if unknown:
+        fields.fail(f"unknown dflash_config keys {unknown}: each may change the drafter's math, so they are not "
+                    f"ignored. Known keys: {', '.join(DFLASH_FIELDS)}")
+    for key, module in EXTRA_MODULE_FIELDS.items():
+        if nested.get(key) is not None or raw.get(key) is not None:
+            where = f"dflash_config.{key}" if nested.get(key) is not None else key
+            fields.fail(f"{where} configures {module}, which this DFlash implementation does not have: "
+                        "score this checkpoint with its own reference implementation")
+    for key, (off, effect) in SWITCHES.items():
+        value = fields.dflash(key) if key in DFLASH_FIELDS else raw.get(key)
+        if value is not None and value not in off:
+            fields.fail(f"{fields.name(key)} = {value!r} switches on {effect}, which this DFlash implementation does "
+                        f"not compute; the score would be wrong. Supported: {' or '.join(map(repr, off)) or 'absent'}")
+    # SpecForge writes draft_vocab_size into every export; only EAGLE-style drafters shrink it (d2t/t2d maps)
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != raw.get("vocab_size"):
+        fields.fail(f"draft_vocab_size {draft_vocab!r} != vocab_size {raw.get('vocab_size')!r}: a reduced draft "
+                    "vocabulary (EAGLE-style token maps), which DFlash drafters do not have and this implementation "
+                    "does not compute")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        fields.fail(f"hidden_act {act!r}: DFlash drafters use SwiGLU ('silu'); this implementation computes nothing else")
+    # Logit transforms z-lab's reference applies before argmax: monotonic ones leave greedy drafts unchanged.
+    multiplier = fields.dflash("output_multiplier")
+    if multiplier is not None and not (_is_number(multiplier) and multiplier > 0):
+        fields.fail(f"{fields.name('output_multiplier')} = {multiplier!r}: only a positive multiplier keeps the "
+                    "greedy draft (argmax) unchanged, and logits are not scaled here")
+    softcap = fields.dflash("final_logit_softcapping")
+    if softcap is not None and not _is_number(softcap):
+        fields.fail(f"{fields.name('final_logit_softcapping')} must be a number or null, got {softcap!r}")
+
+
+def _attention_layout(fields: _Fields, num_layers: int) -> tuple[tuple[str, ...], int | None, bool | None]:
+    """(layer_types, sliding window, is_causal) as z-lab's reference and SGLang read them."""
+    raw = fields.raw
+    use_sliding = fields.boolean("use_sliding_window", raw.get("use_sliding_window"))
+    sliding_window = fields.integer("sliding_window", raw.get("sliding_window"), 1)
+    swa_window = fields.integer(fields.name("swa_window_size"), fields.dflash("swa_window_size"), 1)
+    use_swa = fields.boolean(fields.name("use_swa"), fields.dflash("use_swa"))
+
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        if use_swa:
+            fields.fail(f"{fields.name('use_swa')} is true but the config has no layer_types: which layers use a "
+                        "sliding window is ambiguous (MiMo-style loaders slide every layer, transformers none). "
+                        "Add layer_types ('full_attention'/'sliding_attention' per layer).")
+        # as transformers' Qwen3Config derives them (z-lab's reference and SGLang see these)
+        first_sliding = fields.integer("max_window_layers", raw.get("max_window_layers", 28), 0)
+        slides = use_sliding and sliding_window is not None
+        layer_types = ["sliding_attention" if slides and i >= first_sliding else "full_attention" for i in range(num_layers)]
+    if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers
+            or not all(t in ("full_attention", "sliding_attention") for t in layer_types)):
+        fields.fail(f"layer_types must list 'full_attention'/'sliding_attention' once per layer ({num_layers}), "
+                    f"got {layer_types!r}")
+    sliding = "sliding_attention" in layer_types
+    if use_swa and not sliding:
+        fields.fail(f"{fields.name('use_swa')} is true but layer_types has no 'sliding_attention' layer: fix one of them")
+
+    window = None
+    if sliding:
+        window = sliding_window if sliding_window is not None else swa_window
+        if window is None:
+            fields.fail(f"sliding layers need a positive sliding_window (or dflash_config.swa_window_size), got {sliding_window!r}")
+        if sliding_window is not None and swa_window is not None and swa_window != sliding_window:
+            fields.warn(f"sliding_window {sliding_window} and {fields.name('swa_window_size')} {swa_window} differ; "
+                        "using sliding_window, as SGLang does")
+        if use_sliding is False and sliding_window is not None:
+            fields.warn("use_sliding_window is false, so transformers (and z-lab's reference with it) drops "
+                        f"sliding_window; the sliding layers here use the window {window} from the config, as training did")
+
+    # z-lab's reference: is_causal unset -> sliding layers causal, full ones not; set -> every layer.
+    # SGLang also reads dflash_config.causal when is_causal is unset.
+    is_causal = fields.boolean("is_causal", raw.get("is_causal"))
+    causal = fields.boolean(fields.name("causal"), fields.dflash("causal"))
+    if is_causal is not None and causal is not None and causal != is_causal:
+        fields.warn(f"is_causal {is_causal} and {fields.name('causal')} {causal} differ; using is_causal, as z-lab's "
+                    "reference and SGLang do")
+    return tuple(layer_types), window, causal if is_causal is None else is_causal
+
+
+def _rope_config(fields: _Fields, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, num_layers: int) -> Qwen3Config:
+    """A Qwen3Config holding the rope fields (rope_theta/rope_scaling, or transformers 5's rope_parameters)."""
+    raw = fields.raw
+    names = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+    rope_fields = {k: raw[k] for k in names if raw.get(k) is not None}
+    parameters, scaling = rope_fields.get("rope_parameters"), rope_fields.get("rope_scaling")
+    for key, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            fields.fail(f"{key} must be an object or null, got {value!r}")
+    # transformers silently prefers rope_parameters when both are given: a disagreement is a broken export
+    if parameters is not None:
+        theta = rope_fields.get("rope_theta")
+        if theta is not None and parameters.get("rope_theta", theta) != theta:
+            fields.fail(f"rope_theta {theta} and rope_parameters.rope_theta {parameters['rope_theta']} differ: "
+                        "keep the one the drafter was trained with")
+        differing = sorted(k for k, v in (scaling or {}).items() if k != "type" and parameters.get(k, v) != v)
+        if differing:
+            fields.fail(f"rope_scaling and rope_parameters differ in {differing}: keep the one the drafter was trained with")
+    for where, settings in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        factor = (settings or {}).get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            fields.fail(f"{where}.partial_rotary_factor = {factor!r} switches on {SWITCHES['partial_rotary_factor'][1]}, "
+                        "which this DFlash implementation does not compute")
+    try:
+        rope = Qwen3Config(hidden_size=hidden, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                           head_dim=head_dim, num_hidden_layers=num_layers, **rope_fields)
+    except Exception as e:  # transformers validates rope types and their parameters
+        fields.fail(f"invalid rope settings {rope_fields}: {e}")
+    rope_type = rope.rope_parameters.get("rope_type", "default")
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        fields.fail(f"invalid rope settings {rope_fields}: unknown rope_type {rope_type!r} "
+                    f"(known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    return rope
+
+
+def _token_of(tokenizer, token: str, fields: _Fields, key: str) -> int:
+    """The id of `token` as ONE token of the target's tokenizer (as SGLang resolves mask_token)."""
+    token_id = tokenizer.get_vocab().get(token)
+    if token_id is None:
+        pieces = tokenizer(token, add_special_tokens=False)["input_ids"]
+        fields.fail(f"{key} {token!r} is not a single token of the target's tokenizer (it encodes to "
+                    f"{len(pieces)} tokens {pieces[:8]}); give dflash_config.mask_token_id, or the tokenizer the "
+                    "drafter was trained with")
+    return token_id
+
+
+def _mask_token_id(fields: _Fields, override: int | None, tokenizer) -> int:
+    if override is not None:  # the caller's id (older checkpoints relied on a '<|MASK|>' added at run time)
+        if not (_is_int(override) and override >= 0):
+            raise DrafterError(f"mask_token_id must be an integer >= 0, got {override!r}")
+        return override
+    key = fields.name("mask_token_id")
+    token_id, token = fields.dflash("mask_token_id"), fields.dflash("mask_token")
+    if token_id is not None and not (_is_int(token_id) and token_id >= 0):
+        fields.fail(f"{key} must be an integer >= 0, got {token_id!r}")
+    if token is not None:
+        token_key = fields.name("mask_token")
+        if not isinstance(token, str) or not token:
+            fields.fail(f"{token_key} must be a non-empty token string, got {token!r}")
+        if tokenizer is not None:
+            resolved = _token_of(tokenizer, token, fields, token_key)
+            if token_id is not None and token_id != resolved:
+                fields.fail(f"{key} {token_id} and {token_key} {token!r} disagree: the target's tokenizer gives "
+                            f"{token!r} the id {resolved}. Fix the config (or pass the drafter's tokenizer).")
+            token_id = resolved
+        elif token_id is None:
+            fields.fail(f"{token_key} is the token string {token!r}: its id comes from the target's tokenizer. Pass "
+                        "tokenizer=... (a transformers tokenizer) to load_drafter / read_drafter_config, or add "
+                        "dflash_config.mask_token_id")
+        else:
+            fields.warn(f"{token_key} {token!r} was not checked against a tokenizer (none given); using {key} {token_id}")
+    if token_id is None:
+        fields.fail("no dflash_config.mask_token_id (nor mask_token); older checkpoints used a '<|MASK|>' token "
+                    "added to the tokenizer: pass its id explicitly (mask_token_id=...)")
+    return token_id
 
 
 @dataclass(frozen=True)
@@ -69,47 +355,45 @@ class DrafterConfig:
     sliding_window: int | None
     rope: Qwen3Config  # only its rope fields are used, through transformers' rope utilities
     raw: dict = field(compare=False, repr=False)  # config.json as read, written back by save_drafter
+    # None: sliding layers' causality is the caller's choice (sliding_semantics), full layers see the
+    # whole block. True/False: every layer is causal / bidirectional within the block (z-lab's rule).
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0  # multiplies the block's (raw) target embeddings, as z-lab does
 
     @classmethod
-    def from_dict(cls, raw: dict, source: str = "config.json", mask_token_id: int | None = None) -> "DrafterConfig":
-        """Validate a drafter config.json (a Qwen3 config with DFlash fields); `source` names it in errors."""
+    def from_dict(cls, raw: dict, source: str = "config.json", mask_token_id: int | None = None,
+                  tokenizer=None) -> "DrafterConfig":
+        """Validate a drafter config.json (a Qwen3 config with DFlash fields); `source` names it in errors.
 
-        def need(key, kind=int, where=raw):
-            if key not in where:
-                raise DrafterError(f"{source}: missing required field '{key}'")
-            value = where[key]
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise DrafterError(f"{source}: field '{key}' must be an integer, got {value!r}")
-            return value
+        mask_token_id overrides the config's; `tokenizer` (the target's transformers tokenizer) resolves a
+        dflash_config.mask_token given as a string. Fields that change the math and are not implemented
+        here are refused (DrafterError naming them); unknown top-level fields are warned about.
+        """
+        fields = _Fields(raw, source)
+        _refuse_unimplemented(fields)
 
-        dflash = raw.get("dflash_config") or {}
-        if not isinstance(dflash, dict):
-            raise DrafterError(f"{source}: 'dflash_config' must be an object, got {type(dflash).__name__}")
+        def need(key):
+            if key not in raw:
+                fields.fail(f"missing required field '{key}'")
+            return fields.integer(key, raw[key], 1)
+
         hidden = need("hidden_size")
         num_layers = need("num_hidden_layers")
         num_heads = need("num_attention_heads")
-        num_kv_heads = raw.get("num_key_value_heads", num_heads)
-        head_dim = raw.get("head_dim") or hidden // num_heads
+        num_kv_heads = fields.integer("num_key_value_heads", raw.get("num_key_value_heads"), 1) or num_heads
+        head_dim = fields.integer("head_dim", raw.get("head_dim"), 1) or hidden // num_heads
         if num_heads % num_kv_heads:
-            raise DrafterError(f"{source}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-        block_size = dflash.get("block_size", raw.get("block_size"))
-        if not isinstance(block_size, int) or block_size < 2:
-            raise DrafterError(f"{source}: block_size must be an integer >= 2, got {block_size!r}")
+            fields.fail(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        block_size = fields.dflash("block_size")
+        if not (_is_int(block_size) and block_size >= 2):
+            fields.fail(f"block_size must be an integer >= 2, got {block_size!r}")
 
-        if mask_token_id is None:
-            mask_token_id = dflash.get("mask_token_id", raw.get("mask_token_id"))
-        if not isinstance(mask_token_id, int) or mask_token_id < 0:
-            raise DrafterError(
-                f"{source}: no valid dflash_config.mask_token_id (got {mask_token_id!r}); older checkpoints used a "
-                "'<|MASK|>' token added to the tokenizer: pass its id explicitly (mask_token_id=...)"
-            )
-
-        num_target_layers = raw.get("num_target_layers")
-        layer_ids = dflash.get("target_layer_ids", raw.get("target_layer_ids"))
+        num_target_layers = fields.integer(fields.name("num_target_layers"), fields.dflash("num_target_layers"), 1)
+        layer_ids = fields.dflash("target_layer_ids")
         from_fallback = layer_ids is None
         if from_fallback:
-            if not isinstance(num_target_layers, int):
-                raise DrafterError(f"{source}: neither dflash_config.target_layer_ids nor num_target_layers is set")
+            if num_target_layers is None:
+                fields.fail("neither dflash_config.target_layer_ids nor num_target_layers is set")
             layer_ids = fallback_layer_ids(num_target_layers, num_layers)
             warnings.warn(
                 f"{source} names no dflash_config.target_layer_ids; using the training fallback {layer_ids} "
@@ -117,38 +401,34 @@ class DrafterConfig:
                 "checkpoints: check it against the training config.",
                 stacklevel=2,
             )
-        if not layer_ids or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layer_ids):
-            raise DrafterError(f"{source}: target_layer_ids must be a non-empty list of layer indices >= 0, got {layer_ids!r}")
+        if not isinstance(layer_ids, (list, tuple)) or not layer_ids or not all(_is_int(i) and i >= 0 for i in layer_ids):
+            fields.fail(f"target_layer_ids must be a non-empty list of layer indices >= 0, got {layer_ids!r}")
 
-        layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
-        if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "sliding_attention"}:
-            raise DrafterError(
-                f"{source}: layer_types must list 'full_attention'/'sliding_attention' once per layer "
-                f"({num_layers}), got {layer_types!r}"
-            )
-        sliding_window = raw.get("sliding_window")
-        if "sliding_attention" in layer_types and not (isinstance(sliding_window, int) and sliding_window > 0):
-            raise DrafterError(f"{source}: sliding layers need a positive sliding_window, got {sliding_window!r}")
+        layer_types, window, is_causal = _attention_layout(fields, num_layers)
+        rope = _rope_config(fields, hidden, num_heads, num_kv_heads, head_dim, num_layers)
+        scale = fields.dflash("input_embedding_scale")
+        if scale is not None and not _is_number(scale):
+            fields.fail(f"{fields.name('input_embedding_scale')} must be a number, got {scale!r}")
+        rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
+        if not (_is_number(rms_norm_eps) and rms_norm_eps > 0):
+            fields.fail(f"rms_norm_eps must be a positive number, got {rms_norm_eps!r}")
+        attention_bias = fields.boolean("attention_bias", raw.get("attention_bias"))
 
-        rope_fields = {k: raw[k] for k in ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings") if raw.get(k) is not None}
-        try:
-            rope = Qwen3Config(hidden_size=hidden, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                               head_dim=head_dim, num_hidden_layers=num_layers, **rope_fields)
-        except Exception as e:  # transformers validates rope types and their parameters
-            raise DrafterError(f"{source}: invalid rope settings {rope_fields}: {e}") from e
-        rope_type = rope.rope_parameters.get("rope_type", "default")
-        if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
-            raise DrafterError(f"{source}: invalid rope settings {rope_fields}: unknown rope_type {rope_type!r} "
-                               f"(known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+        known = {*READ_FIELDS, *DFLASH_FIELDS, *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            fields.warn(f"fields not read by dflash-eval: {unknown}. If one changes the drafter's math, this "
+                        "score will not match the drafter's own implementation.")
 
         return cls(
             hidden_size=hidden, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
             head_dim=head_dim, intermediate_size=need("intermediate_size"),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), attention_bias=bool(raw.get("attention_bias", False)),
-            block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=tuple(layer_ids),
-            layer_ids_from_fallback=from_fallback, num_target_layers=num_target_layers,
-            vocab_size=raw.get("vocab_size"), layer_types=tuple(layer_types),
-            sliding_window=sliding_window if "sliding_attention" in layer_types else None, rope=rope, raw=raw,
+            rms_norm_eps=float(rms_norm_eps), attention_bias=bool(attention_bias),
+            block_size=block_size, mask_token_id=_mask_token_id(fields, mask_token_id, tokenizer),
+            target_layer_ids=tuple(layer_ids), layer_ids_from_fallback=from_fallback,
+            num_target_layers=num_target_layers, vocab_size=raw.get("vocab_size"), layer_types=layer_types,
+            sliding_window=window, rope=rope, raw=raw, is_causal=is_causal,
+            input_embedding_scale=1.0 if scale is None else float(scale),
         )
 
 
@@ -243,6 +523,10 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"sliding_semantics must be one of {SLIDING_SEMANTICS}, got {sliding_semantics!r}")
         self.cfg = cfg
         self.sliding_semantics = sliding_semantics
+        if cfg.is_causal is not None and "sliding_attention" in cfg.layer_types and cfg.is_causal != (sliding_semantics == "causal"):
+            warnings.warn(f"the drafter config sets is_causal={str(cfg.is_causal).lower()}: every layer is "
+                          f"{'causal' if cfg.is_causal else 'bidirectional'} within the block, and "
+                          f"sliding_semantics={sliding_semantics!r} has no effect", DrafterConfigWarning, stacklevel=2)
         n_ids = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n_ids * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -302,34 +586,46 @@ class DFlashDrafter(nn.Module):
             out.append((k[0], v[0]) if single else (k, v))
         return out
 
+    def layer_is_causal(self, layer_type: str) -> bool:
+        """Whether a layer of this type is causal within the block (block position k sees block positions <= k).
+
+        The config's is_causal, when set, decides for every layer (z-lab's reference, SGLang); unset, full
+        layers see the whole block and sliding layers follow sliding_semantics.
+        """
+        if self.cfg.is_causal is not None:
+            return self.cfg.is_causal
+        return layer_type == "sliding_attention" and self.sliding_semantics == "causal"
+
     def attention_masks(self, starts: torch.Tensor, context_len: int):
-        """Boolean masks [N, 1, B, S+B] for full and sliding layers (True = may attend).
+        """Boolean masks [N, 1, B, S+B] for each layer type (True = may attend).
 
         starts [N]: each block's first position; every block sees the context positions < its start.
+        Sliding layers also see only keys less than sliding_window positions before the query (and,
+        when not causal, after it). Keys are [context ; block], as in Attention.forward.
         """
-        B, S = self.cfg.block_size, context_len
-        q_pos = starts[:, None] + torch.arange(B, device=starts.device)  # [N, B]
-        ctx_pos = torch.arange(S, device=starts.device)
-        ctx_visible = ctx_pos[None, None, :] < starts[:, None, None]  # [N, 1, S]
-        full = torch.cat([ctx_visible.expand(-1, B, -1), torch.ones(len(starts), B, B, dtype=torch.bool, device=starts.device)], dim=2)
-        masks = {"full_attention": full[:, None]}
-        if self.cfg.sliding_window is not None:
-            window = self.cfg.sliding_window
-            k_pos = torch.cat([ctx_pos.expand(len(starts), S), q_pos], dim=1)  # [N, S+B]
-            distance = q_pos[:, :, None] - k_pos[:, None, :]  # [N, B, S+B], query minus key position
-            sliding = full & (distance < window)
-            block = torch.arange(S + B, device=starts.device) >= S
-            if self.sliding_semantics == "causal":
-                sliding = sliding & ~(block & (distance < 0))
-            else:
-                sliding = sliding & ~(block & (-distance >= window))
-            masks["sliding_attention"] = sliding[:, None]
+        B, S, N, device = self.cfg.block_size, context_len, len(starts), starts.device
+        q_pos = starts[:, None] + torch.arange(B, device=device)  # [N, B]
+        ctx_pos = torch.arange(S, device=device)
+        ctx_visible = (ctx_pos[None, None, :] < starts[:, None, None]).expand(-1, B, -1)  # [N, B, S]
+        k = torch.arange(B, device=device)
+        block_distance = k[:, None] - k[None, :]  # [B, B]: query minus key, the same for every block
+        masks = {}
+        for layer_type in set(self.cfg.layer_types):
+            ctx_part, block_part = ctx_visible, torch.ones(B, B, dtype=torch.bool, device=device)
+            if layer_type == "sliding_attention":
+                window = self.cfg.sliding_window
+                ctx_part = ctx_part & (q_pos[:, :, None] - ctx_pos[None, None, :] < window)
+                block_part = block_part & (block_distance < window) & (-block_distance < window)
+            if self.layer_is_causal(layer_type):
+                block_part = block_part & (block_distance >= 0)
+            masks[layer_type] = torch.cat([ctx_part, block_part.expand(N, B, B)], dim=2)[:, None]
         return masks
 
     def forward(self, block_embeds: torch.Tensor, starts: torch.Tensor, context: list) -> torch.Tensor:
         """Draft N blocks at once.
 
-        block_embeds [N, B, H]: target embeddings of [bonus token, MASK x (B-1)] for each block.
+        block_embeds [N, B, H]: target embeddings of [bonus token, MASK x (B-1)] for each block (rows of
+        the embedding matrix; the config's input_embedding_scale is applied here).
         starts [N]: absolute position of each block's first token.
         context: per layer (k, v), each [N, n_kv, S, hd], context keys/values padded to S >= max(starts);
         positions >= a block's start are masked out for it.
@@ -340,6 +636,8 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rope(positions)
         masks = self.attention_masks(starts, context[0][0].shape[2])
         x = block_embeds.to(self.dtype)
+        if self.cfg.input_embedding_scale != 1.0:
+            x = x * self.cfg.input_embedding_scale
         for layer, layer_type, (k, v) in zip(self.layers, self.cfg.layer_types, context):
             x = layer(x, cos, sin, k, v, masks[layer_type])
         return self.norm(x)
@@ -375,8 +673,12 @@ def _checkpoint_files(path: Path) -> list[Path]:
     raise DrafterError(f"{path}: no model.safetensors or model.safetensors.index.json")
 
 
-def read_drafter_config(path: str | Path, mask_token_id: int | None = None) -> DrafterConfig:
-    """Parse and validate `path/config.json` of a DFlash drafter checkpoint."""
+def read_drafter_config(path: str | Path, mask_token_id: int | None = None, tokenizer=None) -> DrafterConfig:
+    """Parse and validate `path/config.json` of a DFlash drafter checkpoint.
+
+    mask_token_id overrides the config's; tokenizer (the target's, a transformers tokenizer) resolves a
+    dflash_config.mask_token string (see DrafterConfig.from_dict).
+    """
     config_file = Path(path) / "config.json"
     if not config_file.exists():
         raise DrafterError(f"{config_file} does not exist: a drafter checkpoint needs config.json and model.safetensors")
@@ -386,7 +688,7 @@ def read_drafter_config(path: str | Path, mask_token_id: int | None = None) -> D
         raise DrafterError(f"{config_file}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
     if not isinstance(raw, dict):
         raise DrafterError(f"{config_file}: expected a JSON object")
-    return DrafterConfig.from_dict(raw, source=str(config_file), mask_token_id=mask_token_id)
+    return DrafterConfig.from_dict(raw, source=str(config_file), mask_token_id=mask_token_id, tokenizer=tokenizer)
 
 
 def load_drafter(
@@ -395,14 +697,16 @@ def load_drafter(
     device: str | torch.device = "cpu",
     sliding_semantics: str = "causal",
     mask_token_id: int | None = None,
+    tokenizer=None,
 ) -> DFlashDrafter:
     """Load a DFlash drafter checkpoint (config.json + model.safetensors or a sharded index).
 
     Every weight must be present with the shape the config implies, and no unexpected weight may be
-    present (a different architecture under the same name must not load silently).
+    present (a different architecture under the same name must not load silently). mask_token_id
+    overrides the config's; tokenizer (the target's) resolves a dflash_config.mask_token string.
     """
     path = Path(path)
-    cfg = read_drafter_config(path, mask_token_id=mask_token_id)
+    cfg = read_drafter_config(path, mask_token_id=mask_token_id, tokenizer=tokenizer)
     with torch.device("meta"):
         model = DFlashDrafter(cfg, sliding_semantics)
     expected = {name: p.shape for name, p in model.named_parameters()}

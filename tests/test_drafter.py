@@ -8,8 +8,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from dflash_core.drafter import DrafterConfig, DrafterError, fallback_layer_ids, load_drafter, save_drafter
+from dflash_core.drafter import (DrafterConfig, DrafterConfigWarning, DrafterError, fallback_layer_ids, load_drafter,
+                                 save_drafter)
 from tests.drafters import drafter_config, random_drafter
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @torch.no_grad()
@@ -27,18 +30,23 @@ def reference_block_hidden(model, features, start, block_embeds, semantics):
     key_pos = list(range(start)) + list(range(start, start + B))
     cos, sin = rotary(ctx, torch.tensor([key_pos]))
 
+    def causal(layer_type):  # z-lab's rule: the config's is_causal decides every layer; unset, by layer type
+        if cfg.is_causal is not None:
+            return cfg.is_causal
+        return layer_type == "sliding_attention" and semantics == "causal"
+
     def visible(layer_type, q, kpos, is_block_key):
+        if is_block_key and causal(layer_type) and kpos > q:
+            return False
         if layer_type == "full_attention":
             return True
         if q - kpos >= cfg.sliding_window:
             return False
-        if is_block_key and semantics == "causal" and kpos > q:
-            return False
-        if is_block_key and semantics == "non_causal" and kpos - q >= cfg.sliding_window:
+        if is_block_key and kpos - q >= cfg.sliding_window:
             return False
         return True
 
-    x = block_embeds
+    x = block_embeds * cfg.input_embedding_scale
     for layer, layer_type in zip(model.layers, cfg.layer_types):
         attn = layer.self_attn
         h = layer.input_layernorm(x)
@@ -82,6 +90,22 @@ def test_forward_matches_eager_reference(semantics, layer_types, window):
         got = run_block(model, features, start, block)
         want = reference_block_hidden(model, features, start, block, semantics)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_is_causal_forward_matches_eager_reference(is_causal):
+    # the config's is_causal overrides the sliding semantics and reaches the full layer too
+    raw = drafter_config(layer_types=["sliding_attention", "full_attention"], sliding_window=5, block_size=4,
+                         is_causal=is_causal, dflash_config={"target_layer_ids": [0, 1], "mask_token_id": 1,
+                                                             "input_embedding_scale": 1.7})
+    # asked for the other sliding semantics: the config wins, with a warning
+    with pytest.warns(DrafterConfigWarning, match="sliding_semantics=.* has no effect"):
+        model = random_drafter(raw, seed=11, sliding_semantics="non_causal" if is_causal else "causal")
+    torch.manual_seed(12)
+    features, block = torch.randn(2, 12, 32), torch.randn(4, 32)
+    for start in (1, 9):
+        want = reference_block_hidden(model, features, start, block, semantics="unused: is_causal is set")
+        torch.testing.assert_close(run_block(model, features, start, block), want, rtol=1e-5, atol=1e-5)
 
 
 def test_sliding_semantics_differ_and_window_limits_context():
