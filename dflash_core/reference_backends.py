@@ -16,13 +16,21 @@ HTTP: a bounded pool of connections, timeouts, retries with exponential backoff 
 errors, timeouts and 5xx answers; a 4xx answer is a clear error at once (retrying cannot fix it).
 Before any work, `check_matches` compares the server's tokenizer with the target's on a probe
 prompt, and the server's model identity becomes part of the references' key.
+
+API keys: a server started with `--api-key` (SGLang, vLLM) answers 401 `{"error": "Unauthorized"}`
+to a request without `Authorization: Bearer <key>`. The key comes from a file
+(`--reference-api-key-file FILE`) or from $DFLASH_REFERENCE_API_KEY, never from a flow parameter
+(the Prefect UI shows those); the backend's session sends it with every request. It is no part of
+the backend's identity: the same model behind a key gives the same references.
 """
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import requests
@@ -30,6 +38,8 @@ import requests
 from .decoding import greedy_decode
 
 SCHEMES = ("sglang", "openai")
+API_KEY_ENV = "DFLASH_REFERENCE_API_KEY"
+HOW_TO_PASS_KEY = f"pass the key with --reference-api-key-file FILE (a file holding it) or ${API_KEY_ENV}"
 # A fast tokenizer refuses concurrent use from several threads ("Already borrowed"): requests run in
 # a thread pool, so every tokenizer call made on their behalf holds this lock.
 TOKENIZER_LOCK = threading.Lock()
@@ -38,6 +48,31 @@ PROBE_TEXT = "Speculative decoding drafts 8 tokens; the target verifies them: de
 
 class BackendError(RuntimeError):
     """A reference server that cannot be used: unreachable, refusing, or serving another model."""
+
+
+def reference_api_key(key_file: str | None) -> str | None:
+    """The reference servers' API key: from key_file, else $DFLASH_REFERENCE_API_KEY, else None.
+
+    ValueError names the file (never the key) when it cannot be read, is empty, or holds what an
+    HTTP header cannot carry."""
+    if key_file:
+        try:
+            key = Path(key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--reference-api-key-file {key_file}: cannot read it "
+                             f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
+        source = f"--reference-api-key-file {key_file}"
+        if not key:
+            raise ValueError(f"{source} is empty: it must hold the reference server's API key")
+    else:
+        key = os.environ.get(API_KEY_ENV, "").strip()
+        source = f"${API_KEY_ENV}"
+        if not key:
+            return None
+    if not key.isascii() or any(c.isspace() or not c.isprintable() for c in key):
+        raise ValueError(f"{source}: the key must be printable ASCII without spaces (it travels in an "
+                         "Authorization header)")
+    return key
 
 
 @dataclass(frozen=True)
@@ -66,10 +101,11 @@ class LocalBackend:
 
 
 class HTTPBackend:
-    """What the server backends share: the connection pool, retries, and the tokenizer check."""
+    """What the server backends share: the connection pool (one session, which carries the API key
+    if there is one), retries, and the tokenizer check."""
 
     def __init__(self, base_url: str, tokenizer, concurrency: int = 8, timeout: float = 600.0,
-                 retries: int = 4, backoff: float = 0.5):
+                 retries: int = 4, backoff: float = 0.5, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.tokenizer = tokenizer
         self.concurrency = concurrency
@@ -80,10 +116,14 @@ class HTTPBackend:
         adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
+        self.has_api_key = bool(api_key)
+        if api_key:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
 
-    def request(self, method: str, path: str, payload: dict | None = None) -> dict:
-        """JSON answer of the server, retrying what a retry can fix."""
-        url = f"{self.base_url}{path}"
+    def request(self, method: str, path: str, payload: dict | None = None, base_url: str | None = None) -> dict:
+        """JSON answer of the server (at base_url + path; default this backend's base URL),
+        retrying what a retry can fix."""
+        url = f"{base_url or self.base_url}{path}"
         for attempt in range(self.retries + 1):
             try:
                 response = self.session.request(method, url, json=payload, timeout=(10.0, self.timeout))
@@ -96,6 +136,8 @@ class HTTPBackend:
                     except ValueError:
                         raise BackendError(f"{url} answered {response.status_code} with a body that is not JSON: "
                                            f"{response.text[:200]!r}") from None
+                if response.status_code in (401, 403):
+                    raise BackendError(self._refused_key_message(url, response))
                 if response.status_code < 500:
                     raise BackendError(f"{url} refused the request with {response.status_code}: "
                                        f"{_error_message(response)}")
@@ -104,6 +146,11 @@ class HTTPBackend:
                 time.sleep(self.backoff * 2**attempt)
         raise BackendError(f"{url} failed {self.retries + 1} times, last: {problem}. Is the server up? Rerun the "
                            f"same command when it is: finished references are kept")
+
+    def _refused_key_message(self, url: str, response: requests.Response) -> str:
+        answer = f"{url} answered {response.status_code}: {_error_message(response)}"
+        problem = "refused the API key sent (the key is wrong for it)" if self.has_api_key else "needs an API key"
+        return f"{self.base_url} {problem} ({answer}); {HOW_TO_PASS_KEY}"
 
     def completion_from_text(self, text: str) -> Completion:
         """A completion the server gave only as text: re-tokenised, and verified by decoding it back."""
@@ -175,11 +222,10 @@ class OpenAIBackend(HTTPBackend):
         return {"kind": self.kind, "model": models[0]["id"], "root": models[0].get("root")}
 
     def tokenize(self, text: str) -> list[int]:
-        # vLLM serves /tokenize beside /v1, not under it
-        root = self.base_url.removesuffix("/v1")
-        answer = HTTPBackend(root, self.tokenizer, concurrency=1, timeout=self.timeout, retries=self.retries,
-                             backoff=self.backoff).request("POST", "/tokenize", {
-            "model": self.model_name(), "prompt": text, "add_special_tokens": False})
+        # vLLM serves /tokenize beside /v1, not under it; the same session carries the API key there
+        answer = self.request("POST", "/tokenize", {"model": self.model_name(), "prompt": text,
+                                                    "add_special_tokens": False},
+                              base_url=self.base_url.removesuffix("/v1"))
         return [int(t) for t in answer["tokens"]]
 
     def model_name(self) -> str:
@@ -194,11 +240,12 @@ class OpenAIBackend(HTTPBackend):
         choice = answer["choices"][0]
         if choice.get("token_ids") is not None:
             return Completion([int(t) for t in choice["token_ids"]])
-        # text only: the stop token is not in the text (vLLM leaves it out), so put it back
+        # text only: the stop token is not in the text (vLLM and SGLang leave it out), so put it back.
+        # The token that stopped it: vLLM's stop_reason (null for eos), SGLang's matched_stop.
         completion = self.completion_from_text(choice["text"])
-        stop = choice.get("stop_reason")
+        stop = next((s for s in (choice.get("stop_reason"), choice.get("matched_stop")) if _is_token_id(s)), None)
         if choice.get("finish_reason") == "stop" and stop_token_ids:
-            ids = completion.token_ids + [stop if isinstance(stop, int) else stop_token_ids[0]]
+            ids = completion.token_ids + [stop if stop is not None else stop_token_ids[0]]
             completion = Completion(ids, completion.verified)
         return completion
 
@@ -214,10 +261,16 @@ def parse_reference(spec: str) -> tuple[str, str | None]:
     return scheme, url
 
 
-def open_backend(spec: str, tokenizer, **http_options) -> HTTPBackend:
-    """The server backend for a --reference spec other than local."""
+def open_backend(spec: str, tokenizer, api_key_file: str | None = None, **http_options) -> HTTPBackend:
+    """The server backend for a --reference spec other than local, sending the API key of
+    api_key_file (else $DFLASH_REFERENCE_API_KEY) if there is one."""
     scheme, url = parse_reference(spec)
-    return {"sglang": SGLangBackend, "openai": OpenAIBackend}[scheme](url, tokenizer, **http_options)
+    backend = {"sglang": SGLangBackend, "openai": OpenAIBackend}[scheme]
+    return backend(url, tokenizer, api_key=reference_api_key(api_key_file), **http_options)
+
+
+def _is_token_id(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _error_message(response: requests.Response) -> str:

@@ -55,6 +55,22 @@ Facts about the real servers this follows (stored public sources; "SGLang" = sgl
 - vLLM `/v1/models`: `{"object": "list", "data": [{id, object "model", created, owned_by, root,
   parent, max_model_len, permission}]}`; an unknown `model` gets 404 `NotFoundError`. vLLM errors
   are `{"error": {"message", "type", "param", "code"}}`.
+- SGLang `/v1/completions` (`entrypoints/openai/serving_completions.py`, `protocol.py`
+  CompletionResponseChoice): each choice is `{index, text, logprobs, finish_reason, matched_stop}`,
+  where `finish_reason` is the `/generate` finish type ("stop" | "length", the length checked first)
+  and `matched_stop` its `matched` (the stop token id, eos included; a stop string; null after
+  "length"). No `stop_reason`, no token ids (`return_token_ids` is not a field: ignored). As on
+  `/generate`, `ignore_eos` drops `stop_token_ids` too, the text leaves the stop token out unless
+  `no_stop_trim`.
+- API keys. SGLang `--api-key` (`add_api_key_middleware`, installed by `entrypoints/http_server.py`;
+  `srt/utils.py`, newer releases `srt/utils/auth.py`): a middleware before routing lets through
+  OPTIONS and every path starting with `/health` or `/metrics` (so `/health_generate` too); any other
+  request, unknown paths included, without `Authorization: Bearer <key>` gets 401 with the body
+  `{"error": "Unauthorized"}` (a string, unlike SGLang's other errors). Newer releases take the
+  scheme in any case, compare in constant time, and add `--admin-api-key` for admin routes (403).
+  vLLM `--api-key` (or `VLLM_API_KEY`; `entrypoints/openai/api_server.py`): the same header and the
+  same 401 body; older releases guard only paths under `/v1` (`/tokenize` stays open), newer ones
+  every route but `/health`, `/ping`, `/load`, `/version`, `/metrics` and the API docs.
 
 Endpoints here: GET /health, /health_generate, /get_model_info (= /model_info), /get_server_info
 (a small subset of SGLang's), /v1/models, /tokenizer_info; POST (SGLang also PUT) /generate,
@@ -62,8 +78,11 @@ Endpoints here: GET /health, /health_generate, /get_model_info (= /model_info), 
 and "prompt").
 
 This server: errors are `{"error": {"message", "type", "param", "code"}}` (a superset of
-SGLang's); unknown paths 404. It does not stream, batch or sample; parameters that would change
-the output and that it does not implement (stop strings, penalties, n > 1, grammars, ...) get 400
+SGLang's); unknown paths 404. `openai_style="sglang"` answers `/v1/completions` as SGLang does
+(above); the default is vLLM's. With `api_key` it checks the key as SGLang does (constant-time),
+before anything else: a refused request is neither routed nor counted in `requests_served`.
+It does not stream, batch or sample; parameters that would change the output and that it does not
+implement (stop strings, penalties, n > 1, grammars, ...) get 400
 rather than being ignored. Stops are the target config's eos ids (what local greedy runs use);
 real servers also stop on the tokenizer's eos id, which is normally among them. Text prompts are encoded with the served tokenizer (which
 `tokenizer_dir` may make a different one from the target's). Logprobs come from one
@@ -77,6 +96,7 @@ requests received, faulted ones included, so tests can count retries.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import queue
@@ -96,6 +116,8 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAULTS = ("drop", "500", "stall")
+OPENAI_STYLES = ("vllm", "sglang")
+OPEN_PATHS = ("/health", "/metrics")  # SGLang: reachable without the API key (path prefixes)
 GREEDY_EPS = 1e-6  # SGLang: temperature below this is greedy (vLLM's threshold is 1e-5)
 SERVER_VERSION = "dflash-eval-reference"
 
@@ -221,15 +243,22 @@ class ReferenceServer:
     `tokenizer_dir` serves a different tokenizer than the target's (text prompts, output text).
     `return_token_ids_supported=False` answers text only: `/generate` leaves out `output_ids` and
     `/v1/completions` ignores `return_token_ids`, so clients must re-tokenise.
+    `openai_style` ("vllm" or "sglang") is whose `/v1/completions` answer this server gives.
+    `api_key`: every request but `/health*` and `/metrics*` must carry `Authorization: Bearer <key>`.
     """
 
     def __init__(self, target_dir, host: str = "127.0.0.1", port: int = 0, dtype: str = "float32",
                  served_model_name: str | None = None, tokenizer_dir=None, *, device: str = "cpu",
-                 return_token_ids_supported: bool = True, stall_seconds: float = 30.0):
+                 return_token_ids_supported: bool = True, stall_seconds: float = 30.0,
+                 openai_style: str = "vllm", api_key: str | None = None):
         from transformers import AutoTokenizer
 
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        if openai_style not in OPENAI_STYLES:
+            raise ValueError(f"openai_style must be one of {', '.join(OPENAI_STYLES)}, got {openai_style!r}")
+        if api_key is not None and not api_key:
+            raise ValueError("api_key must not be empty (None serves without a key)")
         self.target_dir = Path(target_dir)
         self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else self.target_dir
         self.dtype, self.device = dtype, device
@@ -238,6 +267,8 @@ class ReferenceServer:
         self.eos_token_ids = tuple(read_target_config(self.target_dir).eos_token_ids)
         self.served_model_name = served_model_name or self.target_dir.name
         self.return_token_ids_supported = return_token_ids_supported
+        self.openai_style = openai_style
+        self._api_key = api_key.encode("utf-8") if api_key else None
         self.stall_seconds = float(stall_seconds)
         self.faults: queue.Queue[str] = queue.Queue()
         self.created = int(time.time())
@@ -258,6 +289,10 @@ class ReferenceServer:
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
         return f"http://{host}:{port}"
+
+    @property
+    def requires_api_key(self) -> bool:
+        return self._api_key is not None
 
     @property
     def requests_served(self) -> int:
@@ -297,6 +332,14 @@ class ReferenceServer:
         self.stop()
 
     # --- helpers used by the handler
+
+    def _authorized(self, path: str, authorization: str | None) -> bool:
+        """SGLang's rule: without a key, or on an open path, anything; else `Bearer <key>` (the
+        scheme in any case), compared in constant time."""
+        if self._api_key is None or path.startswith(OPEN_PATHS):
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode("utf-8"), self._api_key)
 
     def _take_fault(self) -> str | None:
         with self._lock:  # count and take together: whoever is counted first gets the first fault
@@ -501,18 +544,26 @@ class ReferenceServer:
         if top is not None and (not _is_int(top) or top < 0):
             raise RequestError(f"logprobs must be a non-negative integer, got {top!r}", param="logprobs")
 
-        stops = (set() if ignore_eos else set(self.eos_token_ids)) | set(stop_ids)
+        sglang = self.openai_style == "sglang"
+        if sglang:  # as its /generate: ignore_eos drops stop_token_ids too; the length is checked first
+            stops = set() if ignore_eos else set(self.eos_token_ids) | set(stop_ids)
+        else:
+            stops = (set() if ignore_eos else set(self.eos_token_ids)) | set(stop_ids)
         completion = self._generate(prompt_ids, max_new, stops)
         stopped = bool(completion) and completion[-1] in stops  # current vLLM: stop before length
+        if sglang:
+            stopped = stopped and len(completion) < max_new
         finish = "stop" if stopped else "length"
-        stop_reason = completion[-1] if stopped and completion[-1] in stop_ids and (
-            ignore_eos or completion[-1] not in self.eos_token_ids) else None
-        text_ids = completion[:-1] if stopped else completion
-        choice = {"index": 0, "text": self._decode(text_ids, skip_special), "logprobs": None,
-                  "finish_reason": finish, "stop_reason": stop_reason}
+        text_ids = completion[:-1] if stopped and not (sglang and _flag(body, "no_stop_trim", False)) else completion
+        choice = {"index": 0, "text": self._decode(text_ids, skip_special), "logprobs": None, "finish_reason": finish}
+        if sglang:
+            choice["matched_stop"] = completion[-1] if stopped else None
+        else:
+            choice["stop_reason"] = completion[-1] if stopped and completion[-1] in stop_ids and (
+                ignore_eos or completion[-1] not in self.eos_token_ids) else None
         if top is not None:
             choice["logprobs"] = self._completion_logprobs(prompt_ids, completion, top, as_token_ids)
-        if return_ids:
+        if return_ids and not sglang:  # SGLang's completions carry no token ids
             choice["token_ids"] = completion
             choice["prompt_token_ids"] = prompt_ids
         return {
@@ -595,8 +646,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _path(self) -> str:
         return self.path.split("?", 1)[0]
 
+    def _refuse_unauthorized(self, path: str) -> bool:
+        """Answer 401 as SGLang does (True) when the request lacks the server's API key."""
+        if self.reference._authorized(path, self.headers.get("Authorization")):
+            return False
+        self._send(401, {"error": "Unauthorized"})
+        return True
+
     def do_GET(self):
         path = self._path()
+        if self._refuse_unauthorized(path):
+            return
         if path in self.GET_ROUTES:
             route = self.GET_ROUTES[path]
             self._send(200, None if route is None else route(self.reference))
@@ -614,7 +674,9 @@ class _Handler(BaseHTTPRequestHandler):
         if length < 0:
             self.close_connection = True
             return self._error(RequestError("bad Content-Length"))
-        raw = self.rfile.read(length) if length else b""
+        raw = self.rfile.read(length) if length else b""  # read before any answer: the connection is kept alive
+        if self._refuse_unauthorized(path):
+            return
         if path not in self.POST_ROUTES:
             status, type_ = (405, "MethodNotAllowed") if path in self.GET_ROUTES else (404, "NotFoundError")
             return self._error(RequestError(f"{'Method Not Allowed' if status == 405 else 'Not Found'}: {path}",
@@ -651,12 +713,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 def serve_reference(target_dir, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
                     served_model_name: str | None = None, tokenizer_dir=None, device: str = "cpu",
-                    log=print) -> None:
-    """Load the target, serve it until interrupted; `log("listening on URL")` once it accepts requests."""
+                    log=print, api_key: str | None = None) -> None:
+    """Load the target, serve it until interrupted; `log("listening on URL")` once it accepts requests.
+    With `api_key`, requests must carry `Authorization: Bearer <api_key>` (SGLang's --api-key)."""
     server = ReferenceServer(target_dir, host=host, port=port, dtype=dtype, served_model_name=served_model_name,
-                             tokenizer_dir=tokenizer_dir, device=device)
+                             tokenizer_dir=tokenizer_dir, device=device, api_key=api_key)
     log(f"listening on {server.url} (model {server.served_model_name!r}, {dtype} on {device}; "
-        "SGLang /generate and OpenAI /v1/completions, greedy only)")
+        "SGLang /generate and OpenAI /v1/completions, greedy only"
+        f"{'; API key required' if server.requires_api_key else ''})")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -107,10 +107,13 @@ def generate_references(
     thinking: bool = False,
     concurrency: int = 8,
     refresh: bool = False,
+    reference_api_key_file: str | None = None,
 ):
     """Greedy completions, temperature 0, from the target in this process (reference="local") or a
     server (see dflash_core.reference_backends); lookahead > 0 also keeps that many greedy tokens past
-    each completion's end, so its last decode step is scored against a whole block."""
+    each completion's end, so its last decode step is scored against a whole block.
+    reference_api_key_file: a file holding the server's API key (else $DFLASH_REFERENCE_API_KEY);
+    the key is sent, never part of the references' key."""
     store = Store(store_root)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = read_prompts(resolve_prompts(prompts_source), tokenizer, thinking=thinking,
@@ -120,7 +123,7 @@ def generate_references(
         backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
                                {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type})
     else:
-        backend = open_backend(reference, tokenizer, concurrency=concurrency)
+        backend = open_backend(reference, tokenizer, api_key_file=reference_api_key_file, concurrency=concurrency)
     key = key_of({
         "prompts": prompt_set_identity(prompts), "thinking": thinking,
         "target": target_key(target_dir, store), "backend": backend.identity,

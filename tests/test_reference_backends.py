@@ -6,6 +6,8 @@ The servers are `dflash_core.reference_server.ReferenceServer` (SGLang /generate
 """
 
 import json
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -17,7 +19,7 @@ from transformers import AutoTokenizer
 
 from dflash_core import tiny_target
 from dflash_core.prompts import resolve_prompts
-from dflash_core.reference_backends import BackendError, OpenAIBackend, SGLangBackend
+from dflash_core.reference_backends import API_KEY_ENV, BackendError, OpenAIBackend, SGLangBackend
 from dflash_core.reference_server import ReferenceServer
 from dflash_core.target import read_target_config
 
@@ -53,13 +55,18 @@ def text_only_server(tiny):
 def references(tiny, store, reference, lookahead=False, concurrency=8, prompts=None):
     """Run the flow up to the references stage; read back [(id, prompt len, token ids, completion end, finish, verified)]."""
     from flows.evaluate import evaluate_checkpoint
-    from tasks.references import ReferenceSet, load_references
-    from storage import Store
 
     results = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]),
                                   prompts=str(prompts or tiny.small_prompts), max_new_tokens=MAX_NEW, store=str(store),
                                   reference=reference, lookahead=lookahead, concurrency=concurrency, until="references")
-    key = results["keys"]["references"]
+    return read_references(store, results["keys"]["references"])
+
+
+def read_references(store, key):
+    """The stored references of `key`, as `references` returns them."""
+    from tasks.references import ReferenceSet, load_references
+    from storage import Store
+
     record = Store(store).read_record("references", key)
     refs = ReferenceSet(key, str(Store(store).entry("references", key)), record["n_prompts"], record["n"],
                         record["lookahead"])
@@ -98,10 +105,11 @@ def test_every_backend_gives_the_local_references(tiny, server, text_only_server
         assert len(ids) == prompt_len + MAX_NEW + block - 1  # generated past the stop token
 
 
-def serve_in_process(target_dir, port) -> subprocess.Popen:
-    """`dflash-eval serve-reference` in its own process, once it accepts requests."""
+def serve_in_process(target_dir, port, *options) -> subprocess.Popen:
+    """`dflash-eval serve-reference` in its own process (one torch thread), once it accepts requests."""
     process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reference", "--target", str(target_dir),
-                                "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                "--port", str(port), *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in process.stdout:
         if "listening on" in line:
             # keep reading its output, or a full pipe would block the server
@@ -195,3 +203,120 @@ def test_faults_are_retried_and_refusals_are_not(tiny, server):
     dead = SGLangBackend("http://127.0.0.1:9", tokenizer, retries=1, backoff=0.01)
     with pytest.raises(BackendError, match=r"failed 2 times.*Is the server up\? Rerun the same command"):
         dead.generate(prompt, 4, stop)
+
+
+# --- reference servers behind an API key
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_command_line(tiny, store, reference, *options, api_url, env=()):
+    """`dflash-eval run` in its own process, reporting to the session's Prefect server: (exit code, output)."""
+    command = [sys.executable, "-m", "flows.cli", "run", "--target", str(tiny.target_dir),
+               "--drafter", str(tiny.drafter_steps[-1]), "--prompts", str(tiny.small_prompts),
+               "--max-new-tokens", str(MAX_NEW), "--store", str(store), "--reference", reference, *options]
+    environment = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    environment.update({"PREFECT_API_URL": api_url, "OMP_NUM_THREADS": "1", **dict(env)})
+    done = subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600)
+    return done.returncode, done.stdout
+
+
+def refused_in_process(tiny, store, reference, *options, env=()):
+    """`dflash-eval run` in this process, for runs its input checks refuse before any flow starts."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    result = CliRunner().invoke(app, ["run", "--target", str(tiny.target_dir), "--drafter", str(tiny.drafter_steps[-1]),
+                                      "--prompts", str(tiny.small_prompts), "--max-new-tokens", str(MAX_NEW),
+                                      "--store", str(store), "--reference", reference, *options],
+                                env={API_KEY_ENV: None, **dict(env)})
+    return result.exit_code, result.output
+
+
+def stored_bytes(store):
+    return b"".join(p.read_bytes() for p in sorted(store.rglob("*")) if p.is_file())
+
+
+def test_a_run_against_a_server_behind_an_api_key(tiny, tmp_path, prefect_api_url):
+    """`serve-reference --api-key-file`: `dflash-eval run` with the key scores; without it, or with a
+    wrong one, it exits 2 with one message (which server, that it needs the key, how to pass it)
+    before anything is stored."""
+    key = f"dflash-{secrets.token_hex(16)}"
+    key_file = tmp_path / "key"
+    key_file.write_text(key + "\n")
+    (tmp_path / "empty").write_text("\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = serve_in_process(tiny.target_dir, port, "--api-key-file", str(key_file))
+    try:
+        refused = tmp_path / "refused"
+        for reference, options, env, problem in (
+            (f"sglang+{url}", (), {}, "needs an API key"),
+            (f"openai+{url}/v1", (), {}, "needs an API key"),
+            (f"openai+{url}/v1", (), {API_KEY_ENV: "not-the-key"}, "refused the API key sent"),
+            (f"sglang+{url}", ("--reference-api-key-file", str(tmp_path / "empty")), {API_KEY_ENV: key},
+             f"--reference-api-key-file {tmp_path / 'empty'} is empty"),
+        ):
+            code, output = refused_in_process(tiny, refused, reference, *options, env=env)
+            assert code == 2, output
+            errors = [line for line in output.splitlines() if line.startswith("error:")]
+            assert len(errors) == 1 and problem in errors[0] and "Traceback" not in output, output
+            if "API key" in problem:
+                assert f"{url}" in errors[0] and "answered 401" in errors[0]
+                assert f"--reference-api-key-file FILE (a file holding it) or ${API_KEY_ENV}" in errors[0]
+        assert not refused.exists()
+
+        store = tmp_path / "store"
+        code, output = run_command_line(tiny, store, f"sglang+{url}", "--reference-api-key-file", str(key_file),
+                                        "--out", str(tmp_path / "results.json"), api_url=prefect_api_url)
+        assert code == 0, output
+        results = json.loads((tmp_path / "results.json").read_text())
+        assert results["stages"]["references"] == "ran" and results["tau_macro"] > 1.5
+        assert len(results["per_prompt"]) == len(read_references(store, results["keys"]["references"]))
+        assert key not in output + json.dumps(results) and key.encode() not in stored_bytes(store)
+    finally:
+        server.kill()
+        server.wait()
+
+
+def test_an_api_key_is_no_part_of_the_references_key(tiny, server, tmp_path, prefect_api_url, monkeypatch):
+    """The same model behind a key (from a file, or from the environment) gives the references, and
+    the references key, of the server without one; flow parameters and the store never hold the key."""
+    from prefect import get_client
+
+    from flows.evaluate import evaluate_checkpoint
+
+    key = f"dflash-{secrets.token_hex(16)}"
+    key_file = tmp_path / "key"
+    key_file.write_text(key)
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with ReferenceServer(tiny.target_dir, api_key=key) as keyed:
+        for scheme, suffix in (("sglang", ""), ("openai", "/v1")):
+            runs = {}
+            for name, url, options in (("open", server.url, {}),
+                                       ("keyed", keyed.url, {"reference_api_key_file": str(key_file)}
+                                        if scheme == "sglang" else {})):
+                if name == "keyed" and scheme == "openai":
+                    monkeypatch.setenv(API_KEY_ENV, key)
+                store = tmp_path / scheme / name
+                state = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]),
+                                            prompts=str(tiny.small_prompts), max_new_tokens=MAX_NEW, store=str(store),
+                                            reference=f"{scheme}+{url}{suffix}", until="references", return_state=True,
+                                            **options)
+                results = state.result()
+                refs_key = results["keys"]["references"]
+                runs[name] = (refs_key, read_references(store, refs_key))
+                with get_client(sync_client=True) as client:
+                    parameters = client.read_flow_run(state.state_details.flow_run_id).parameters
+                assert key not in json.dumps(parameters) + json.dumps(results)
+                assert key.encode() not in stored_bytes(store)
+            assert parameters.get("reference_api_key_file") == options.get("reference_api_key_file")
+            assert runs["keyed"] == runs["open"], scheme
+            monkeypatch.delenv(API_KEY_ENV, raising=False)
+        assert keyed.requests_served == len(runs["open"][1]) * 2  # every reference was generated by the keyed server

@@ -6,6 +6,8 @@ ends with eos after a few tokens (swapping two rows only relabels two logits: gr
 stays greedy decoding, now with an eos in it).
 """
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -20,6 +22,8 @@ from transformers import Qwen3ForCausalLM
 
 from dflash_core import tiny_target
 from dflash_core.decoding import greedy_decode
+from dflash_core.reference_backends import (API_KEY_ENV, BackendError, OpenAIBackend, SGLangBackend, open_backend,
+                                             reference_api_key)
 from dflash_core.reference_server import ReferenceServer
 from dflash_core.target import Target, load_target
 
@@ -427,6 +431,155 @@ def test_eight_concurrent_requests_are_all_answered_correctly(server, local, tok
     assert results == [expected(local, ids, max_new=max_new) for ids, max_new in cases]
 
 
+# --- SGLang-style OpenAI answers, API keys (SGLang's --api-key), and the clients reading them
+
+KEY = "test-key-7f3a9c0d51e2b84d"
+
+
+def completion_choice(server, body):
+    response = post(server, "/v1/completions", {"temperature": 0, "max_tokens": MAX_NEW, **body})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def no_eos_prompt(local, tokenizer):
+    """Token ids of a prompt whose greedy continuation holds no eos within MAX_NEW tokens."""
+    return next(ids for ids in map(tokenizer.encode, PROMPTS[1:]) if len(expected(local, ids)) == MAX_NEW)
+
+
+def test_completions_in_sglang_style_report_matched_stop(target_dir, local, tokenizer):
+    eos = tokenizer.eos_token_id
+    with ReferenceServer(target_dir, openai_style="sglang") as server:
+        ids = tokenizer.encode(PROMPTS[0])
+        want = expected(local, ids)
+        assert want[-1] == eos
+        # SGLang's choice: matched_stop (eos included), no stop_reason, no token ids even when asked for
+        assert completion_choice(server, {"prompt": ids, "return_token_ids": True}) == {
+            "index": 0, "text": tokenizer.decode(want[:-1], skip_special_tokens=True), "logprobs": None,
+            "finish_reason": "stop", "matched_stop": eos}
+        # a stop token as the last allowed token: SGLang checks the length first
+        choice = completion_choice(server, {"prompt": ids, "max_tokens": len(want)})
+        assert (choice["finish_reason"], choice["matched_stop"]) == ("length", None)
+        assert choice["text"] == tokenizer.decode(want, skip_special_tokens=True)
+
+        ids = no_eos_prompt(local, tokenizer)
+        free = expected(local, ids)
+        stop = free[3]
+        cut = free.index(stop) + 1
+        choice = completion_choice(server, {"prompt": ids, "stop_token_ids": [stop]})
+        assert (choice["finish_reason"], choice["matched_stop"]) == ("stop", stop)
+        assert choice["text"] == tokenizer.decode(free[:cut - 1], skip_special_tokens=True)
+        # as its /generate: ignore_eos drops the requested stop tokens too
+        choice = completion_choice(server, {"prompt": ids, "stop_token_ids": [stop], "ignore_eos": True})
+        assert (choice["finish_reason"], choice["matched_stop"]) == ("length", None)
+        assert choice["text"] == tokenizer.decode(free, skip_special_tokens=True)
+    with pytest.raises(ValueError, match="openai_style"):
+        ReferenceServer(target_dir, openai_style="tgi")
+
+
+@pytest.mark.parametrize("style", ["sglang", "vllm"])
+def test_text_only_clients_put_back_the_stop_token_the_server_names(target_dir, local, tokenizer, style):
+    """SGLang names the stop token in matched_stop, vLLM in stop_reason (null for eos)."""
+    eos = tokenizer.eos_token_id
+    with ReferenceServer(target_dir, openai_style=style, return_token_ids_supported=False) as server:
+        backend = OpenAIBackend(f"{server.url}/v1", tokenizer, retries=0)
+        ids = no_eos_prompt(local, tokenizer)
+        stop = expected(local, ids)[3]
+        # listed after eos: only the server's answer says which one ended it
+        completion = backend.generate(ids, MAX_NEW, [eos, stop])
+        assert completion.token_ids[-1] == stop
+        text = completion_choice(server, {"prompt": ids, "stop_token_ids": [eos, stop]})["text"]
+        assert completion.token_ids[:-1] == tokenizer.encode(text, add_special_tokens=False)
+        if style == "sglang":  # vLLM reports null for eos: the client can only take the first stop id
+            ids = tokenizer.encode(PROMPTS[0])
+            want = expected(local, ids)
+            other = next(t for t in range(len(tokenizer)) if t not in want)
+            assert backend.generate(ids, MAX_NEW, [other, eos]).token_ids[-1] == eos
+
+
+@pytest.fixture(scope="module")
+def keyed_server(target_dir):
+    with ReferenceServer(target_dir, api_key=KEY) as server:
+        yield server
+
+
+def test_an_api_key_is_checked_as_sglang_does(keyed_server, local, tokenizer):
+    url = keyed_server.url
+    before = keyed_server.requests_served
+    for path in ("/health", "/health_generate"):  # open: liveness probes carry no secret
+        assert requests.get(url + path, timeout=TIMEOUT).status_code == 200
+    refused = ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
+               {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"})
+    # everything else, unknown paths too (the check comes before routing): 401 with SGLang's body
+    for method, path in (("GET", "/v1/models"), ("GET", "/get_model_info"), ("POST", "/tokenize"),
+                         ("POST", "/generate"), ("POST", "/v1/completions"), ("GET", "/nope"), ("POST", "/nope")):
+        for headers in refused:
+            response = requests.request(method, url + path, json={}, headers=headers, timeout=TIMEOUT)
+            assert response.status_code == 401, (method, path, headers)
+            assert response.json() == {"error": "Unauthorized"}
+    assert keyed_server.requests_served == before  # refused before a generation is counted
+    assert requests.get(url + "/nope", headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT).status_code == 404
+
+    ids = tokenizer.encode(PROMPTS[0])
+    body = {"input_ids": ids, "sampling_params": greedy_params()}
+    with requests.Session() as session:  # the refused request's body was read: the kept-alive connection still works
+        assert session.post(url + "/generate", json=body, timeout=TIMEOUT).status_code == 401
+        out = session.post(url + "/generate", json=body, headers={"Authorization": f"bearer {KEY}"}, timeout=TIMEOUT)
+        assert out.status_code == 200 and out.json()["output_ids"] == expected(local, ids)
+    assert keyed_server.requests_served == before + 1
+    with pytest.raises(ValueError, match="api_key"):
+        ReferenceServer(keyed_server.target_dir, api_key="")
+
+
+def test_backends_send_the_key_and_name_a_missing_or_wrong_one(keyed_server, local, tokenizer):
+    url = keyed_server.url
+    ids = tokenizer.encode(PROMPTS[1])
+    for make in (lambda **kw: SGLangBackend(url, tokenizer, **kw), lambda **kw: OpenAIBackend(f"{url}/v1", tokenizer, **kw)):
+        backend = make(api_key=KEY)
+        sent = []
+        send = backend.session.request
+        backend.session.request = lambda method, to, **kw: sent.append(to) or send(method, to, **kw)
+        backend.check_matches(local.vocab_size)  # /tokenize (beside /v1 for OpenAI) needs the key too
+        assert backend.generate(ids, 6, [tokenizer.eos_token_id]).token_ids == expected(local, ids, max_new=6)
+        assert f"{url}/tokenize" in sent  # through the backend's one session, which carries the key
+        assert KEY not in json.dumps(backend.identity)
+
+        for api_key, problem in ((None, "needs an API key"), ("wrong-key", "refused the API key sent")):
+            refused = make(api_key=api_key, retries=3, backoff=30.0)
+            start = time.monotonic()
+            with pytest.raises(BackendError) as error:
+                refused.identity  # noqa: B018
+            message = str(error.value)
+            assert time.monotonic() - start < 10  # not retried: a retry cannot fix it
+            assert message.startswith(f"{refused.base_url} {problem}") and "401: Unauthorized" in message
+            assert "--reference-api-key-file FILE" in message and f"${API_KEY_ENV}" in message
+            assert KEY not in message
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(keyed_server, tokenizer, tmp_path, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert reference_api_key(None) is None
+    assert "Authorization" not in open_backend(f"sglang+{keyed_server.url}", tokenizer).session.headers
+    monkeypatch.setenv(API_KEY_ENV, f" {KEY}\n")
+    assert reference_api_key(None) == KEY
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    assert reference_api_key(str(key_file)) == "from-file"  # the file first
+    backend = open_backend(f"openai+{keyed_server.url}/v1", tokenizer, api_key_file=str(key_file))
+    assert backend.session.headers["Authorization"] == "Bearer from-file"
+    for content, needle in (("", "is empty"), (" \n", "is empty"), ("two words", "printable ASCII"),
+                            ("clé-secrète", "printable ASCII")):
+        key_file.write_text(content)
+        with pytest.raises(ValueError, match=needle) as error:
+            reference_api_key(str(key_file))
+        assert str(key_file) in str(error.value) and (not content.strip() or content not in str(error.value))
+    with pytest.raises(ValueError, match="cannot read"):
+        reference_api_key(str(tmp_path / "missing"))
+    monkeypatch.setenv(API_KEY_ENV, "two words")
+    with pytest.raises(ValueError, match=API_KEY_ENV):
+        reference_api_key(None)
+
+
 # --- command line
 
 
@@ -462,3 +615,45 @@ def test_cli_reports_a_missing_target(tmp_path):
     result = CliRunner().invoke(app, ["serve-reference", "--target", str(tmp_path / "none"), "--port", "0"])
     assert result.exit_code == 2
     assert "does not exist" in result.output
+
+
+def test_cli_serves_behind_an_api_key_file(target_dir, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(KEY + "\n")
+    command = [sys.executable, "-m", "flows.cli", "serve-reference", "--target", str(target_dir), "--port", "0",
+               "--api-key-file", str(key_file)]
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    watchdog = threading.Timer(120, process.kill)
+    watchdog.start()
+    try:
+        lines, match = [], None
+        for line in process.stdout:
+            lines.append(line)
+            match = re.search(r"listening on (http://\S+)", line)
+            if match:
+                break
+        assert match and "API key required" in lines[-1], "".join(lines)
+        url = match.group(1)
+        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        assert requests.get(url + "/v1/models", timeout=TIMEOUT).status_code == 401
+        models = requests.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny-qwen3"
+    finally:
+        watchdog.cancel()
+        process.terminate()
+        output = process.communicate(timeout=TIMEOUT)[0]
+    assert KEY not in "".join(lines) + output  # never logged
+
+
+def test_cli_refuses_an_empty_or_missing_api_key_file(target_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    (tmp_path / "empty").write_text("\n")
+    for name, needle in (("empty", "is empty"), ("missing", "cannot read")):
+        result = CliRunner().invoke(app, ["serve-reference", "--target", str(target_dir), "--port", "0",
+                                          "--api-key-file", str(tmp_path / name)])
+        assert result.exit_code == 2, result.output
+        assert needle in result.output and name in result.output
