@@ -6,7 +6,8 @@ structure - the one module with `embed_tokens`, a `layers` ModuleList and a
 final `norm`, outside any vision tower - and call it directly with token ids,
 so the vision tower never runs. The lm_head comes from the model when it has
 one, otherwise (e.g. `Qwen3_5Model` from `AutoModel`) from the checkpoint's
-safetensors.
+safetensors. Weights saved under a prefix the model class does not expect (a
+`Qwen3_5Model` re-save keeps `language_model.*`) are renamed on load.
 
 Feature convention: `features[i]` is Hugging Face's `hidden_states[i + 1]`,
 i.e. the output of decoder layer i, except for the last layer, where
@@ -14,6 +15,8 @@ transformers reports the output *after* the final norm. We match transformers
 (and the DFlash reference, which indexes `hidden_states`) exactly.
 """
 
+import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +37,7 @@ from transformers import (
 
 from transformers.utils import is_accelerate_available
 
-from .token_head import load_token_head
+from .token_head import INDEX_FILE, SINGLE_FILE, TextWeights, find_text_weights, load_token_head
 
 # Module names (dotted path components) of non-text parts; nothing under them is the text decoder.
 NON_TEXT_MODULES = {
@@ -313,11 +316,32 @@ class TargetConfig:
     eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
 
 
+def checkpoint_dtype(path) -> str | None:
+    """The dtype a checkpoint's config.json names: `dtype` or (older transformers) `torch_dtype`, at the top
+    level, else in `text_config`; e.g. "bfloat16". None when it names none."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"target {path} does not exist or holds no config.json: pass a Hugging Face model folder")
+    config = json.loads(config_file.read_text())
+    for section in (config, config.get("text_config") or {}):
+        for name in ("dtype", "torch_dtype"):
+            value = section.get(name)
+            if isinstance(value, str) and value:
+                return value.removeprefix("torch.")
+    return None
+
+
 def read_target_config(path) -> TargetConfig:
-    """Read a target checkpoint's text config (and stop tokens) to check inputs before any work."""
+    """Read a target checkpoint's text config (and stop tokens) to check inputs before any work.
+
+    When the folder holds weights, their names are checked too (nothing is read): a folder whose head is
+    missing (e.g. a `Qwen3_5Model` re-save of an untied model) raises ValueError here, not after loading.
+    """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); pass the target checkpoint folder")
+    if (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file():
+        find_text_weights(path)
     config = AutoConfig.from_pretrained(path)
     text = config.get_text_config(decoder=True)
     eos = None
@@ -341,19 +365,25 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Targ
     """Load a target from a local Hugging Face checkpoint directory.
 
     Tries AutoModelForCausalLM, then AutoModelForImageTextToText, then AutoModel,
-    with SDPA attention, in eval mode without grad. Raises ValueError when the
-    directory or its config is missing, or when the checkpoint lacks weights the
-    text backbone or head need (they would be silently random otherwise).
+    with SDPA attention, in eval mode without grad. The text weights are found by
+    name wherever they were saved (`language_model.*` from a `Qwen3_5Model` re-save
+    loads into the causal LM; its vision tower is not even loaded), and so is the
+    lm_head. Raises ValueError when the directory or its config is missing, when
+    the head is missing and not tied (naming the prefix found), or when the
+    checkpoint lacks weights the text backbone or head need (they would be
+    silently random otherwise).
     """
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"target directory {path} does not exist")
     if not (path / "config.json").is_file():
         raise ValueError(f"no config.json in target directory {path}")
+    weights = find_text_weights(path)  # before loading anything: a missing head is an error, not a random one
     config = AutoConfig.from_pretrained(path)
     auto_class = next((c for c in AUTO_CLASSES if type(config) in c._model_mapping), None)
     if auto_class is None:
         raise ValueError(f"transformers has no causal-LM, image-text-to-text or base model class for {type(config).__name__}")
+    key_mapping = _key_mapping(auto_class, config, weights)
     device = torch.device(device)
     # Loading straight onto an accelerator needs `accelerate`; without it, load to CPU and move.
     direct = device.type != "cpu" and is_accelerate_available()
@@ -364,11 +394,41 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Targ
         device_map=str(device) if direct else None,
         attn_implementation="sdpa",
         output_loading_info=True,
+        key_mapping=key_mapping,
     )
     if not direct:
         model.to(device)
     target = Target.from_model(model, checkpoint_dir=path)
     missing = [k for k in info.get("missing_keys", ()) if not _is_non_text_path(k)]
     if missing:
-        raise ValueError(f"checkpoint {path} lacks weights the text model needs: {sorted(missing)[:8]}")
+        raise ValueError(f"checkpoint {path} lacks weights the text model needs: {sorted(missing)[:8]} "
+                         f"(its text weights are under {weights.prefix or '<no prefix>'}*)")
     return target
+
+
+def _key_mapping(auto_class, config: PretrainedConfig, weights: TextWeights) -> dict[str, str] | None:
+    """Renames (regex -> name, for `from_pretrained(key_mapping=...)`) that put the checkpoint's text weights
+    where the model class expects them; None when transformers finds them by itself.
+
+    transformers knows the prefixes its own classes save (`model.`, `model.language_model.`, legacy
+    `language_model.model.`, and a bare decoder without prefix); a base model of a VLM saved on its own
+    (`Qwen3_5Model` -> `language_model.*`) is not one of them, nor is a head kept under another name.
+    """
+    base = auto_class._model_mapping[type(config)].base_model_prefix
+    foreign_prefix = weights.prefix != "" and not weights.prefix.startswith(f"{base}.")
+    foreign_head = weights.head_key not in (None, "lm_head.weight")
+    if not (foreign_prefix or foreign_head):
+        return None
+    # The model's own names, from a skeleton on the meta device (no memory, no weights read).
+    with torch.device("meta"):
+        skeleton = auto_class.from_config(config)
+    backbone_name, _ = find_backbone(skeleton)
+    mapping = {}
+    head = _find_head_module(skeleton)
+    if foreign_head and head is not None:
+        head_name = next(name for name, module in skeleton.named_modules() if module is head)
+        # first: the prefix rule below would otherwise rename a head kept under the text prefix
+        mapping[f"^{re.escape(weights.head_key)}$"] = f"{head_name}.weight"
+    if foreign_prefix and weights.prefix != f"{backbone_name}.":
+        mapping[f"^{re.escape(weights.prefix)}"] = f"{backbone_name}."
+    return mapping or None

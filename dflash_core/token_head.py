@@ -9,10 +9,12 @@ two tensors by name, whatever prefix the wrapper class gives them:
     model.embed_tokens.weight                   text-only causal LM
     model.language_model.embed_tokens.weight    Qwen3.5 / Qwen3-VL style VLM
     language_model.model.embed_tokens.weight    Gemma 3 / Llava style VLM
+    language_model.embed_tokens.weight          a Qwen3_5Model (AutoModel) re-save, which has no lm_head
     lm_head.weight, language_model.lm_head.weight, ...
 
 Keys under a vision tower, projector, audio tower or multi-token-prediction
-head are never candidates.
+head are never candidates. `find_text_weights` says where the text decoder's
+weights are (their prefix) and where the head is, from the key names alone.
 """
 
 import json
@@ -109,6 +111,47 @@ def _read_tie_flag(target_dir: Path) -> bool | None:
     return None
 
 
+@dataclass(frozen=True)
+class TextWeights:
+    """Where a checkpoint keeps its text decoder's weights, from their names alone (nothing is read).
+
+    `prefix` is what precedes `embed_tokens.weight`, `layers.N.*` and `norm.weight`: "model." for a
+    causal LM, "model.language_model." for a Qwen3.5-style VLM, "language_model." for a `Qwen3_5Model`
+    re-save, "" for a bare decoder. `head_key` is None when the head is the embedding (tied).
+    """
+
+    prefix: str
+    embed_key: str
+    head_key: str | None
+    key_to_file: dict[str, Path]
+
+
+def find_text_weights(target_dir) -> TextWeights:
+    """Find the text decoder's embedding and head among a checkpoint's tensor names.
+
+    Raises ValueError when there is no embedding, or when there is no lm_head and the config does not
+    tie it to the embedding (e.g. `Qwen3_5Model.save_pretrained` drops the head): the message names the
+    prefix the text weights were found under.
+    """
+    target_dir = Path(target_dir)
+    key_to_file = list_safetensors_keys(target_dir)
+    embed_key = _find_unique_key(key_to_file, "embed_tokens", target_dir)
+    if embed_key is None:
+        raise ValueError(f"no embedding tensor (*embed_tokens.weight) outside the vision/audio parts in {target_dir}")
+    prefix = embed_key[: -len("embed_tokens.weight")]
+    head_key = _find_unique_key(key_to_file, "lm_head", target_dir)
+    if head_key is None and _read_tie_flag(target_dir) is False:
+        # A base model (AutoModel -> Qwen3_5Model) saved on its own keeps no head; an untied one is
+        # then lost, and the embedding would be a silently different head.
+        hint = " (a Qwen3_5Model saved without its lm_head)" if prefix == "language_model." else ""
+        raise ValueError(
+            f"{target_dir} has its text weights under {prefix or '<no prefix>'}*{hint} and no lm_head.weight, "
+            "while its config.json sets tie_word_embeddings=false: the output head is not in this folder; "
+            "point --target at the original checkpoint (the one with lm_head.weight)"
+        )
+    return TextWeights(prefix=prefix, embed_key=embed_key, head_key=head_key, key_to_file=key_to_file)
+
+
 def _read_tensor(path: Path, key: str) -> torch.Tensor:
     with safe_open(path, framework="pt") as f:
         return f.get_tensor(key)
@@ -127,20 +170,11 @@ def load_token_head(target_dir, dtype: torch.dtype | None = None) -> TokenHead:
         Like transformers, an lm_head present in the checkpoint is used even if the
         config says tied (transformers only ties when the two are equal or one is missing).
     """
-    target_dir = Path(target_dir)
-    key_to_file = list_safetensors_keys(target_dir)
-    embed_key = _find_unique_key(key_to_file, "embed_tokens", target_dir)
-    if embed_key is None:
-        raise ValueError(f"no embedding tensor (*embed_tokens.weight) outside the vision/audio parts in {target_dir}")
-    head_key = _find_unique_key(key_to_file, "lm_head", target_dir)
+    weights = find_text_weights(target_dir)
+    key_to_file, embed_key, head_key = weights.key_to_file, weights.embed_key, weights.head_key
 
     embed_weight = _read_tensor(key_to_file[embed_key], embed_key)
     if head_key is None:
-        if _read_tie_flag(target_dir) is False:
-            raise ValueError(
-                f"no lm_head tensor in {target_dir} and its config sets tie_word_embeddings=false: "
-                "the head is missing from the checkpoint"
-            )
         head_weight = embed_weight
     else:
         head_weight = _read_tensor(key_to_file[head_key], head_key)

@@ -78,7 +78,8 @@ def score_table(results: dict) -> list[dict]:
 
 
 def summary_markdown(results: dict, found, report: Path | None) -> str:
-    """This checkpoint against the previous step, the best other step and the baselines."""
+    """This checkpoint against the previous step, the best other checkpoint and the baselines. A checkpoint
+    without a training step has no previous step and is never called a regression (flows.history)."""
     drafter = results["drafter"]
     low, high = results["tau_macro_ci95"]
     lines = [f"## {drafter['source']}" + (f" (step {drafter['step']})" if drafter["step"] is not None else ""),
@@ -94,7 +95,7 @@ def summary_markdown(results: dict, found, report: Path | None) -> str:
         if earlier:
             compared.append(("previous step", earlier[-1]))
         if candidates:
-            compared.append(("best other step", max(candidates, key=lambda r: r["tau_macro"])))
+            compared.append(("best other checkpoint", max(candidates, key=lambda r: r["tau_macro"])))
         compared += [("baseline", r) for r in group.baselines if r is not row]
         if compared:
             lines += ["| | checkpoint | step | tau macro | 95% CI | this minus it |", "|---|---|---|---|---|---|"]
@@ -107,7 +108,12 @@ def summary_markdown(results: dict, found, report: Path | None) -> str:
         if row["regression"]:
             lines.append("**REGRESSION**: the whole 95% interval lies below the best earlier step's.")
         elif row["best"]:
-            lines.append("Best step of this run so far.")
+            lines.append("Best step of this run so far." if row["step"] is not None else
+                         "Best checkpoint so far (it has no training step).")
+        elif row["step"] is None:
+            lines.append("No training step: its place among the steps is unknown, so it is not judged a regression.")
+        elif not earlier:
+            lines.append("No earlier step to compare with.")
         else:
             lines.append("No regression: the interval overlaps the best earlier step's.")
     ran = [s for s, status in results["stages"].items() if status == "ran"]

@@ -3,8 +3,9 @@
 For each group of comparable scores (same target, references and sliding-layer semantics; see
 flows.history) the report shows:
 
-- every scored checkpoint: tau macro with its 95% interval, tau pooled, the best step, regressions and
-  baselines, and the projected speedup of the newest checkpoint;
+- every scored checkpoint, in history order (by training step; checkpoints without one by when they were
+  first scored, never by path: flows.history): tau macro with its 95% interval, tau pooled, the best step,
+  regressions and baselines, and the projected speedup of the newest checkpoint (the last in that order);
 - tau macro over training steps, with the intervals, the best step, regressions and each baseline as a
   dashed line with its interval as a band;
 - for the newest `last` checkpoints and the baselines: the conditional acceptance of each draft position
@@ -146,7 +147,8 @@ def _group_blocks(group: Group, prefix: str, last: int, diagnostics: dict[tuple[
     blocks.append(_tau_table(group))
 
     stepped = [r for r in group.candidates if r["step"] is not None]
-    newest = (stepped or group.candidates or [None])[-1]
+    # newest = last in history order, the order the table, the curves and the artifacts use
+    newest = group.candidates[-1] if group.candidates else None
     if newest is not None and scores[newest["scores"]].get("projected_speedup"):
         speedups = ", ".join(f"{x:.2f}x at c = {c}" for c, x in scores[newest["scores"]]["projected_speedup"].items())
         blocks.append(Text(f"Projected speedup of the newest checkpoint, {newest['label']} (tau "
@@ -156,7 +158,9 @@ def _group_blocks(group: Group, prefix: str, last: int, diagnostics: dict[tuple[
 
     if stepped:
         blocks.append(Text("Error bars and shaded bands are 95% intervals. A regression (red) is a checkpoint "
-                           "whose whole interval lies below the best earlier step's."))
+                           "whose whole interval lies below the best earlier step's. Checkpoints without a training "
+                           "step are listed by when they were first scored and never flagged: their place among "
+                           "the steps is unknown."))
         blocks.append(Plot(f"{prefix}-tau-by-step", "tau macro by training step", _tau_plot(group)))
     else:
         blocks.append(Text("No checkpoint has a training step: no tau-by-step plot."))

@@ -131,6 +131,21 @@ class Store:
         _unlink_if_same_file(marker, identity)
         raise EntryMissing(stage, key, f"corrupt entry.json removed ({problem})")
 
+    def committed_at(self, stage: str, key: str) -> datetime | None:
+        """When (stage, key) was committed (entry.json's `committed_at`, UTC), None if the marker holds no
+        readable time (written by hand); raises `EntryMissing` as `read_record` does. A recomputed entry
+        (refresh) has the time of its last commit."""
+        self.read_record(stage, key)  # a missing or corrupt marker is handled there
+        try:
+            committed = json.loads(self._marker(stage, key).read_bytes()).get("committed_at")
+        except FileNotFoundError:  # removed since
+            raise EntryMissing(stage, key, "absent") from None
+        try:
+            when = datetime.fromisoformat(committed)
+        except (TypeError, ValueError):
+            return None
+        return when if when.tzinfo else when.replace(tzinfo=timezone.utc)  # comparable with every other time
+
     def is_complete(self, stage: str, key: str) -> bool:
         """Whether (stage, key) has a valid `entry.json` (a corrupt one is removed, with a warning)."""
         try:
@@ -186,7 +201,8 @@ class Store:
                 "format": MARKER_FORMAT,
                 "stage": stage,
                 "key": key,
-                "committed_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                # microseconds: history orders checkpoints without a training step by it
+                "committed_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
                 "record": record,
             },
             indent=1,

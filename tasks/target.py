@@ -1,18 +1,63 @@
-"""The target model as the stages see it: its content key, and one loaded copy per process."""
+"""The target model as the stages see it: its content key, its compute dtype, and one loaded copy per process."""
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
+from transformers import AutoTokenizer
 
-from dflash_core.target import Target, load_target
+from dflash_core.target import Target, checkpoint_dtype, load_target
 from storage import Store, directory_digest
 
+# What the stages compute in, by the name their store keys hold. float16 is not one of them: hidden
+# states of large targets overflow in fp16 (DESIGN.md).
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+AUTO = "auto"  # the target checkpoint's own dtype
+DTYPE_CHOICES = (AUTO, *DTYPES)
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """The compute dtype of an evaluation, resolved once before any stage computes a key."""
+
+    name: str  # a key of DTYPES: what the stages compute in and what their keys hold
+    requested: str  # "auto" or the name asked for
+    note: str | None = None  # why auto did not take the checkpoint's own dtype (for logs and results)
+
+
+def resolve_dtype(dtype: str, target_dir) -> DtypeChoice:
+    """Resolve `--dtype`: a name of DTYPES stays itself; "auto" becomes the target checkpoint's own dtype
+    (config.json `dtype` / `torch_dtype`, top level, else `text_config`): bfloat16 for the published
+    targets, float32 for the tiny fixtures. A float16 checkpoint computes in float32 (fp16 features
+    overflow), and so does one whose config names no dtype or another one. `auto` and the name it resolves
+    to give the same stage keys, so they share cache entries. Raises ValueError on an unknown name."""
+    if dtype in DTYPES:
+        return DtypeChoice(dtype, dtype)
+    if dtype != AUTO:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    own = checkpoint_dtype(target_dir)
+    if own in DTYPES:
+        return DtypeChoice(own, AUTO)
+    if own == "float16":
+        note = ("the target checkpoint is float16, and float16 hidden states overflow for large targets: "
+                "computing in float32")
+    elif own is None:
+        note = "the target's config.json names no dtype: computing in float32"
+    else:
+        note = f"the target checkpoint is {own}, which the stages do not compute in: computing in float32"
+    return DtypeChoice("float32", AUTO, note)
 
 
 def target_key(target_dir: str, store: Store) -> str:
     """Content key of a target checkpoint: its files' digests (cached by path, size and mtime)."""
     return directory_digest(target_dir, cache=store.digest_cache()).key
+
+
+@lru_cache(maxsize=4)
+def target_tokenizer(target_dir: str):
+    """The target's tokenizer, loaded once per process: a drafter config may name its mask token as a
+    string, which only the target's tokenizer turns into an id."""
+    return AutoTokenizer.from_pretrained(target_dir)
 
 
 @lru_cache(maxsize=1)

@@ -8,9 +8,11 @@ regressions, positions nobody reached, two runs and two baselines).
 
 import base64
 import io
+import itertools
 import json
 import re
 import shutil
+from datetime import datetime, timedelta, timezone
 from html.parser import HTMLParser
 
 import pytest
@@ -274,10 +276,14 @@ def test_command_line_on_an_empty_store_says_so(tmp_path):
 # ------------------------------------------------------------------ fabricated entries: the other cases
 
 
+_clock = itertools.count()  # fabricated checkpoints are scored one minute apart, in the order they are made
+
+
 def fabricate(store: Store, source: str, step: int | None, tau: float, ci: tuple[float, float] | None,
-              baseline: bool = False, block_size: int = 8, semantics: str = "causal", **scores) -> None:
+              baseline: bool = False, block_size: int = 8, semantics: str = "causal", **scores) -> str:
     """Store entries as the flow writes them (fetch, references, features, drafts, scores), for a checkpoint
-    that scored `tau`; scores.json fields other than tau default to something plausible."""
+    that scored `tau`, a minute after the one fabricated before it; scores.json fields other than tau default
+    to something plausible. Returns the scores key."""
     checkpoint, references, features = key_of({"c": source}), key_of({"r": 1}), key_of({"f": 1})
     drafts, scores_key = key_of({"d": source, "sem": semantics}), key_of({"s": source, "sem": semantics})
     records = {
@@ -304,6 +310,10 @@ def fabricate(store: Store, source: str, step: int | None, tau: float, ci: tuple
     for (stage, key), record in records.items():
         store.begin(stage, key)
         store.commit(stage, key, record)
+    marker = store.entry("scores", scores_key) / "entry.json"
+    scored_at = datetime(2025, 1, 1, tzinfo=timezone.utc) + timedelta(minutes=next(_clock))
+    write_json_atomic(marker, {**json.loads(marker.read_text()), "committed_at": scored_at.isoformat()})
+    return scores_key
 
 
 def test_missing_steps_regressions_and_baselines(tmp_path):
@@ -325,15 +335,17 @@ def test_missing_steps_regressions_and_baselines(tmp_path):
     assert table[0] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", "tau, all positions", ""]
     assert [r[0] for r in table[1:]] == ["1000", "2000", "2500", "3000", "4000", "5000", "-", "baseline", "baseline"]
     assert [r[-1] for r in table[1:]] == ["", "", "", "", "REGRESSION", "best", "", "baseline", "baseline"]
-    assert [r[1] for r in table[1:]][-3:] == ["a/final", "other/drafter", "z-lab/Target-8B-DFlash-b16"]
+    # baselines in the order they were scored, not by path
+    assert [r[1] for r in table[1:]][-3:] == ["a/final", "z-lab/Target-8B-DFlash-b16", "other/drafter"]
     assert table[1][3:6] == ["2.90 - 3.30", "3.000", "3.600"] and table[7][3] == "-" and table[9][5] == "-"
-    assert "Projected speedup of the newest checkpoint, a/step_5000 (tau 4.40)" in text
+    # a/final was scored after every step: the newest
+    assert "Projected speedup of the newest checkpoint, a/final (tau 4.30)" in text
     categories = page.table_after("category")
-    assert categories == [  # the newest two candidates (the step-less one counts as newest) and the baselines
-        ["category", "prompts", "a/step_5000", "a/final", "other/drafter (baseline)",
-         "z-lab/Target-8B-DFlash-b16 (baseline)"],
-        ["chat", "1", "4.00", "3.90", "3.10", "3.60"],
-        ["math", "2", "4.70", "4.60", "3.80", "4.30"],
+    assert categories == [  # the newest two candidates and the baselines
+        ["category", "prompts", "a/step_5000", "a/final", "z-lab/Target-8B-DFlash-b16 (baseline)",
+         "other/drafter (baseline)"],
+        ["chat", "1", "4.00", "3.90", "3.60", "3.10"],
+        ["math", "2", "4.70", "4.60", "4.30", "3.80"],
     ]
     assert len(page.images) == 3
     for image in page.images:
@@ -370,3 +382,56 @@ def test_each_group_has_its_section_and_plots(tmp_path):
     assert len(page.images) == 6
     assert sorted(p.name for p in (out / "img").iterdir()) == sorted(
         f"group{g}-{name}.png" for g in (1, 2) for name in ("tau-by-step", "position-acceptance", "acceptance-lengths"))
+
+
+def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regression(tmp_path):
+    from flows.artifacts import summary_markdown
+    from flows.history import find_group, history
+
+    store = Store(tmp_path / "store")
+    keys = {
+        # an untrained drafter scored first; its name sorts after every other by path
+        "zz-untrained": fabricate(store, "/runs/a/zz-untrained", None, 1.2, (1.1, 1.3)),
+        "step_100": fabricate(store, "/runs/a/step_100", 100, 2.0, (1.9, 2.1)),
+        "step_300": fabricate(store, "/runs/a/step_300", 300, 2.4, (2.3, 2.5)),  # scored before step_200
+        "step_200": fabricate(store, "/runs/a/step_200", 200, 3.0, (2.9, 3.1)),
+        # a final export scored last, worse than step_200 beyond doubt; its name sorts first by path
+        "aa-export": fabricate(store, "/runs/a/aa-export", None, 2.5, (2.4, 2.6)),
+    }
+    (group,) = history(store)
+    order = ["a/zz-untrained", "a/step_100", "a/step_200", "a/step_300", "a/aa-export"]
+    assert [r["label"] for r in group.rows] == order
+    assert [r["regression"] for r in group.rows] == [False, False, False, True, False]
+    assert group.best["label"] == "a/step_200"
+    assert [r["scored_at"] for r in group.rows] == \
+        [store.committed_at("scores", keys[label.split("/")[1]]) for label in order]
+
+    text = write_report(store, tmp_path / "out", last=2).read_text()
+    page = Page(text)
+    assert [(r[1], r[-1]) for r in page.table_after("step")[1:]] == \
+        [("a/zz-untrained", ""), ("a/step_100", ""), ("a/step_200", "best"), ("a/step_300", "REGRESSION"),
+         ("a/aa-export", "")]
+    assert "Projected speedup of the newest checkpoint, a/aa-export" in text
+    assert page.table_after("category")[0] == ["category", "prompts", "a/step_300", "a/aa-export"]
+
+    def summary(label, step):
+        found = find_group(history(store), keys[label])
+        results = {"drafter": {"source": f"/runs/a/{label}", "step": step}, "tau_macro": found[1]["tau_macro"],
+                   "tau_macro_ci95": found[1]["tau_macro_ci95"], "tau_pooled": 1.0, "block_size": 8,
+                   "n_scored_prompts": 3, "stages": {"scores": "ran"}}
+        return summary_markdown(results, found, None)
+
+    untrained = summary("zz-untrained", None)
+    assert "REGRESSION" not in untrained and "previous step" not in untrained and "No training step" in untrained
+    assert "No training step" in summary("aa-export", None)
+    assert "No earlier step to compare with" in summary("step_100", 100)
+    regressed = summary("step_300", 300)
+    assert "**REGRESSION**" in regressed and "| previous step | a/step_200 | 200 |" in regressed
+
+    result = CliRunner().invoke(app, ["history", "--store", str(store.root)])
+    assert result.exit_code == 0, result.output
+    rows = [line.split("│") for line in result.output.splitlines() if "a/" in line]
+    assert [(r[2].strip(), r[-2].strip()) for r in rows] == \
+        [("a/zz-untrained", ""), ("a/step_100", ""), ("a/step_200", "best"), ("a/step_300", "REGRESSION"),
+         ("a/aa-export", "")]
+    assert "2025-01-01 00:" in rows[0][-3]  # when it was first scored

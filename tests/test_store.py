@@ -48,6 +48,24 @@ def test_layout(tmp_path):
     assert store.keys("scores") == []
 
 
+def test_committed_at_is_when_the_entry_was_committed(tmp_path):
+    from datetime import datetime, timezone
+
+    store = Store(tmp_path)
+    with pytest.raises(EntryMissing):
+        store.committed_at("scores", KEY)
+    store.begin("scores", KEY)
+    before = datetime.now(timezone.utc)
+    store.commit("scores", KEY, {})
+    after = datetime.now(timezone.utc)
+    assert before <= store.committed_at("scores", KEY) <= after  # microseconds: not truncated to before the commit
+    marker = store.entry("scores", KEY) / "entry.json"
+    write_json_atomic(marker, {**json.loads(marker.read_text()), "committed_at": "2025-01-01T00:00:00"})
+    assert store.committed_at("scores", KEY) == datetime(2025, 1, 1, tzinfo=timezone.utc)  # naive reads as UTC
+    write_json_atomic(marker, {**json.loads(marker.read_text()), "committed_at": "yesterday"})
+    assert store.committed_at("scores", KEY) is None
+
+
 def test_default_root(tmp_path, monkeypatch):
     monkeypatch.setenv("DFLASH_STORE", str(tmp_path / "shared"))
     assert Store().root == tmp_path / "shared"

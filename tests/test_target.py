@@ -15,6 +15,8 @@ from dflash_core.token_head import load_token_head
 
 F32 = torch.float32
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def _ids(batch=2, length=12, seed=0, vocab=64):
     return torch.randint(0, vocab, (batch, length), generator=torch.Generator().manual_seed(seed))
@@ -331,3 +333,130 @@ def test_read_target_config_matches_the_loaded_model_without_loading_it(qwen3_di
         assert config.eos_token_ids == (() if eos is None else tuple(eos if isinstance(eos, list) else [eos]))
     with pytest.raises(ValueError, match="no config.json"):
         read_target_config(qwen3_dir.parent)
+
+
+# ---- a Qwen3_5Model re-save: `AutoModel.from_pretrained(vlm).save_pretrained(out)` keeps language_model.*,
+# visual.* and no lm_head (the published checkpoints hold model.language_model.*, model.visual.*, lm_head.weight)
+
+
+@pytest.fixture(scope="module")
+def resaved(qwen3_5_dirs, tmp_path_factory):
+    """name -> folder: the bare re-save, the re-save with a tied config, and the re-save with the original
+    head put back into the folder (as `lm_head.weight` or `language_model.lm_head.weight`, in a shard of its own)."""
+    import json
+    import shutil
+
+    _, vlm_dir = qwen3_5_dirs
+    root = tmp_path_factory.mktemp("resaved")
+    AutoModel.from_pretrained(vlm_dir, dtype=F32).save_pretrained(root / "bare")
+    dirs = {"bare": root / "bare"}
+    head = load_file(vlm_dir / "model.safetensors")["lm_head.weight"]
+    for name, head_key in [("head", "lm_head.weight"), ("prefixed_head", "language_model.lm_head.weight")]:
+        folder = dirs[name] = root / name
+        shutil.copytree(root / "bare", folder)
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00002.safetensors")
+        save_file({head_key: head}, folder / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+        weight_map = {key: "model-00001-of-00002.safetensors"
+                      for key in load_file(folder / "model-00001-of-00002.safetensors")}
+        weight_map[head_key] = "model-00002-of-00002.safetensors"
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    folder = dirs["tied"] = root / "tied"
+    shutil.copytree(root / "bare", folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    return dirs
+
+
+def test_qwen3_5_model_resave_really_has_that_layout(resaved):
+    # guards the tests below against transformers changing what Qwen3_5Model.save_pretrained writes
+    import json
+
+    keys = load_file(resaved["bare"] / "model.safetensors").keys()
+    assert "language_model.embed_tokens.weight" in keys and any(k.startswith("visual.") for k in keys)
+    assert not any("lm_head" in k for k in keys) and not any(k.startswith("model.") for k in keys)
+    config = json.loads((resaved["bare"] / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5Model"] and config["tie_word_embeddings"] is False
+
+
+def test_resave_without_its_head_is_an_error_naming_the_prefix(resaved):
+    from dflash_core.target import read_target_config
+
+    message = (r"under language_model\.\* \(a Qwen3_5Model saved without its lm_head\) and no lm_head\.weight"
+               r".*point --target at the original checkpoint")
+    for read in (lambda p: load_target(p, dtype=F32), load_token_head, read_target_config):
+        with pytest.raises(ValueError, match=message):
+            read(resaved["bare"])
+
+
+@pytest.mark.parametrize("name", ["head", "prefixed_head"])
+def test_resave_with_its_head_equals_the_original(targets, resaved, name):
+    from dflash_core.features import extract_features
+
+    original = targets["qwen3_5_vlm"][0]
+    target = load_target(resaved[name], dtype=F32)
+    # the text-only class: the vision tower is not even built, so it cannot run
+    assert type(target.model).__name__ == "Qwen3_5ForCausalLM"
+    assert not any(_is_vision(n) for n, _ in target.model.named_modules())
+    ids = _ids(length=16, seed=4)
+    out, expected = target.forward(ids, layer_ids=[0, 1, 2, 3]), original.forward(ids, layer_ids=[0, 1, 2, 3])
+    assert torch.equal(out.logits, expected.logits)
+    for i in range(4):
+        assert torch.equal(out.features[i], expected.features[i]), i
+    sequences = [ids[0].tolist(), ids[1, :9].tolist()]
+    for got, want in zip(extract_features(target, sequences, [1, 3]), extract_features(original, sequences, [1, 3])):
+        assert torch.equal(got, want)
+    head = load_token_head(resaved[name])
+    assert torch.equal(head.head_weight, original.head_weight) and torch.equal(head.embed_weight, original.embed_weight)
+
+
+def test_resave_with_a_tied_config_uses_the_embedding_as_its_head(targets, resaved):
+    original = targets["qwen3_5_vlm"][0]
+    target = load_target(resaved["tied"], dtype=F32)
+    assert torch.equal(target.embed_weight, original.embed_weight)
+    assert target.head_weight.data_ptr() == target.embed_weight.data_ptr()
+    ids = _ids(length=16, seed=5)
+    out, expected = target.forward(ids, layer_ids=[0, 2]), original.forward(ids, layer_ids=[0, 2, 3])
+    for i in (0, 2):
+        assert torch.equal(out.features[i], expected.features[i]), i
+    torch.testing.assert_close(out.logits, expected.features[3] @ original.embed_weight.T)
+    assert load_token_head(resaved["tied"]).tied
+
+
+def _is_vision(name: str) -> bool:
+    return any(part in ("visual", "vision_tower") for part in name.split("."))
+
+
+
+# ---- --dtype auto: the checkpoint's own dtype, resolved once (tasks/target.py)
+
+
+@pytest.mark.parametrize("config, name, note", [
+    ({"dtype": "bfloat16", "text_config": {"dtype": "float32"}}, "bfloat16", None),  # top level first
+    ({"torch_dtype": "bfloat16"}, "bfloat16", None),  # older transformers
+    ({"text_config": {"dtype": "bfloat16"}}, "bfloat16", None),  # a VLM that names it only for its text model
+    ({"dtype": "float32"}, "float32", None),
+    ({"dtype": "float16"}, "float32", "float16 hidden states overflow"),  # never computed in fp16
+    ({}, "float32", "names no dtype"),
+])
+def test_auto_dtype_is_the_checkpoints_own(tmp_path, config, name, note):
+    import json
+
+    from tasks.target import DtypeChoice, resolve_dtype
+
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    choice = resolve_dtype("auto", tmp_path)
+    assert (choice.name, choice.requested) == (name, "auto")
+    assert choice.note is None if note is None else note in choice.note
+    # an explicit name is taken as it is, whatever the checkpoint says
+    for explicit in ("float32", "bfloat16"):
+        assert resolve_dtype(explicit, tmp_path) == DtypeChoice(explicit, explicit, None)
+
+
+def test_auto_dtype_of_the_fixtures_and_unknown_names(qwen3_5_dirs):
+    from tasks.target import resolve_dtype
+
+    for path in qwen3_5_dirs:  # saved in float32, as the tiny fixtures are
+        assert resolve_dtype("auto", path).name == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of auto, float32, bfloat16, got 'float16'"):
+        resolve_dtype("float16", qwen3_5_dirs[0])

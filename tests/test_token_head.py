@@ -11,7 +11,7 @@ from transformers import (
 )
 
 import dflash_core.token_head as token_head_module
-from dflash_core.token_head import is_text_key, load_token_head
+from dflash_core.token_head import find_text_weights, is_text_key, load_token_head
 
 
 def test_untied_single_file_matches_model(qwen3_dir):
@@ -137,8 +137,31 @@ def test_ambiguous_head_is_an_error(tmp_path):
 
 def test_missing_head_with_untied_config_is_an_error(tmp_path):
     path = _write_checkpoint(tmp_path / "ckpt", ["model.embed_tokens.weight"], {"tie_word_embeddings": False})
-    with pytest.raises(ValueError, match="no lm_head tensor .* tie_word_embeddings=false"):
+    with pytest.raises(ValueError, match=r"under model\.\* and no lm_head\.weight.* tie_word_embeddings=false"):
         load_token_head(path)
+
+
+def test_qwen3_5_model_resave_without_head_names_its_prefix(tmp_path):
+    # what Qwen3_5Model.save_pretrained writes: language_model.*, visual.*, no lm_head; the config stays untied
+    path = _write_checkpoint(
+        tmp_path / "ckpt", ["language_model.embed_tokens.weight", "language_model.norm.weight", "visual.pos_embed.weight"],
+        {"tie_word_embeddings": False, "text_config": {"tie_word_embeddings": False}},
+    )
+    with pytest.raises(ValueError, match=r"under language_model\.\* \(a Qwen3_5Model saved without its lm_head\) "
+                       r"and no lm_head\.weight.*point --target at the original checkpoint"):
+        load_token_head(path)
+    assert find_text_weights(_write_checkpoint(tmp_path / "tied", ["language_model.embed_tokens.weight"],
+                                               {"tie_word_embeddings": True})).prefix == "language_model."
+
+
+def test_head_is_found_wherever_it_is(tmp_path):
+    path = _write_checkpoint(tmp_path / "ckpt", ["language_model.embed_tokens.weight", "language_model.lm_head.weight"],
+                             {"tie_word_embeddings": False})
+    weights = find_text_weights(path)
+    assert (weights.prefix, weights.embed_key, weights.head_key) == \
+        ("language_model.", "language_model.embed_tokens.weight", "language_model.lm_head.weight")
+    head = load_token_head(path)
+    assert not head.tied and torch.equal(head.head_weight, torch.full((8, 4), 1.0))
 
 
 def test_tie_flag_in_text_config(tmp_path):
@@ -149,7 +172,7 @@ def test_tie_flag_in_text_config(tmp_path):
     path = _write_checkpoint(
         tmp_path / "ckpt2", ["model.language_model.embed_tokens.weight"], {"text_config": {"tie_word_embeddings": False}}
     )
-    with pytest.raises(ValueError, match="no lm_head tensor"):
+    with pytest.raises(ValueError, match=r"under model\.language_model\.\* and no lm_head\.weight"):
         load_token_head(path)
 
 
