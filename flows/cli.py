@@ -23,7 +23,8 @@ PROMPTS = typer.Option(..., "--prompts", help="A suite (math, code, chat, multit
                        "text/messages/turns/input_ids, optional category.")
 MAX_NEW = typer.Option(256, "--max-new-tokens", help="Greedy reference length limit per prompt.")
 STORE = typer.Option(None, "--store", help="Store root (default $DFLASH_STORE, else ./.dflash-store).")
-DTYPE = typer.Option("float32", "--dtype", help="float32 or bfloat16: target and drafter compute dtype.")
+DTYPE = typer.Option("auto", "--dtype", help="auto (the target checkpoint's own dtype; a float16 one computes in "
+                     "float32), float32 or bfloat16: target and drafter compute dtype.")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 SEMANTICS = typer.Option("causal", "--sliding-semantics",
                          help="Sliding drafter layers: causal (training/serving) or non_causal (z-lab reference).")
@@ -39,6 +40,16 @@ BASELINE = typer.Option(None, "--baseline", help="Another drafter (e.g. the publ
 REPORT_DIR = typer.Option(None, "--report-dir", help="Where the report is rewritten after scoring (default <store>/report).")
 RELAY_TOKEN_FILE = typer.Option(None, "--relay-token-file", help="File holding a relay's bearer token "
                                 "(else $DFLASH_RELAY_TOKEN), for --drafter http://RELAY/<path>.")
+REFERENCE_API_KEY_FILE = typer.Option(None, "--reference-api-key-file", help="File holding the reference server's "
+                                      "API key (else $DFLASH_REFERENCE_API_KEY), sent as Authorization: Bearer.")
+DRAFTER_CONFIG = typer.Option(None, "--drafter-config", help="The drafter's config.json, for checkpoints saved "
+                              "without one (SpecForge's run-stepN folders) whose run folder holds none either.")
+INCLUDE = typer.Option(None, "--include", help="Also fetch checkpoint files matching this pattern (repeatable); "
+                       "config, weights and trainer_state.json always travel, optimizer state never unless named.")
+CHECKPOINT_WAIT = typer.Option(300.0, "--checkpoint-wait", help="Seconds to wait for a checkpoint that is not there "
+                               "yet or still being written, before failing.")
+SETTLE_SECONDS = typer.Option(30.0, "--settle-seconds", envvar="DFLASH_SETTLE_SECONDS", help="A checkpoint folder "
+                              "counts as finished once none of its files changed for this long.")
 
 
 def _evaluate(**kwargs) -> dict:
@@ -50,7 +61,10 @@ def _evaluate(**kwargs) -> dict:
         check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
                      kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"],
                      kwargs.get("reference", "local"), kwargs.pop("temperature", 0.0),
-                     relay_token_file=kwargs.get("relay_token_file"), baseline=kwargs.get("baseline"))
+                     relay_token_file=kwargs.get("relay_token_file"), baseline=kwargs.get("baseline"),
+                     reference_api_key_file=kwargs.get("reference_api_key_file"),
+                     drafter_config=kwargs.get("drafter_config"), include=kwargs.get("include"),
+                     checkpoint_wait=kwargs.get("checkpoint_wait"), settle_seconds=kwargs.get("settle_seconds"))
         return evaluate_checkpoint(**kwargs)
     except (InputError, DrafterError) as e:
         typer.secho(f"error: {e}", err=True, fg="red")
@@ -108,6 +122,13 @@ def _absolute(path: str) -> str:
     return str(Path(path).resolve()) if Path(path).exists() else path
 
 
+def _checkpoint_options(drafter_config: str | None, include: list[str] | None, checkpoint_wait: float,
+                        settle_seconds: float) -> dict:
+    """The fetch options of `run` and `stage` as flow parameters (paths absolute: flow runs start elsewhere)."""
+    return {"drafter_config": _absolute(drafter_config) if drafter_config else None, "include": include or None,
+            "checkpoint_wait": checkpoint_wait, "settle_seconds": settle_seconds}
+
+
 def _write(results: dict | list, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +143,9 @@ def run(
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
     reference: str = REFERENCE, lookahead: bool = LOOKAHEAD, concurrency: int = CONCURRENCY,
     temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE, baseline: str = BASELINE,
-    report_dir: str = REPORT_DIR,
+    report_dir: str = REPORT_DIR, reference_api_key_file: str = REFERENCE_API_KEY_FILE,
+    drafter_config: str = DRAFTER_CONFIG, include: list[str] = INCLUDE, checkpoint_wait: float = CHECKPOINT_WAIT,
+    settle_seconds: float = SETTLE_SECONDS,
     diagnostics: bool = typer.Option(False, "--diagnostics", help="Also run the diagnostics: layer ablation, "
                                      "layer-offset probe, sliding switch, first divergences (drafter replays only)."),
     all_positions: bool = typer.Option(False, "--all-positions", help="Also score a block drafted at every position "
@@ -137,7 +160,9 @@ def run(
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
                         reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
                         relay_token_file=relay_token_file, baseline=baseline, report_dir=report_dir,
-                        until="diagnostics" if diagnostics else "scores", all_positions=all_positions)
+                        reference_api_key_file=reference_api_key_file,
+                        until="diagnostics" if diagnostics else "scores", all_positions=all_positions,
+                        **_checkpoint_options(drafter_config, include, checkpoint_wait, settle_seconds))
     _print_results(results)
     _write(results, out)
 
@@ -151,6 +176,9 @@ def stage(
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS, thinking: bool = THINKING,
     reference: str = REFERENCE, lookahead: bool = LOOKAHEAD, concurrency: int = CONCURRENCY,
     temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE,
+    reference_api_key_file: str = REFERENCE_API_KEY_FILE,
+    drafter_config: str = DRAFTER_CONFIG, include: list[str] = INCLUDE, checkpoint_wait: float = CHECKPOINT_WAIT,
+    settle_seconds: float = SETTLE_SECONDS,
 ):
     """Run one stage by hand (and the stages it needs, from the store when they are there)."""
     from flows.evaluate import STAGES
@@ -160,7 +188,9 @@ def stage(
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
                         reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
-                        relay_token_file=relay_token_file, until=name, refresh=[name] if refresh else [])
+                        relay_token_file=relay_token_file, until=name, refresh=[name] if refresh else [],
+                        reference_api_key_file=reference_api_key_file,
+                        **_checkpoint_options(drafter_config, include, checkpoint_wait, settle_seconds))
     _print_results(results)
     _write(results, out)
 
@@ -195,10 +225,13 @@ def serve_reference(
     target: str = TARGET,
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(30000, "--port", help="Port to listen on (0: any free port)."),
-    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16: the target's compute dtype."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (the checkpoint's own; float16 serves in float32, as "
+                              "evaluations compute), float32, bfloat16 or float16: the target's compute dtype."),
     device: str = DEVICE,
     served_model_name: str = typer.Option(None, "--served-model-name",
                                           help="Model name in /v1/models and responses (default: the target folder name)."),
+    api_key_file: str = typer.Option(None, "--api-key-file", help="File holding the API key clients must send "
+                                     "(Authorization: Bearer), as SGLang's --api-key; /health needs none."),
 ):
     """Serve the target's greedy completions over HTTP (SGLang /generate, OpenAI /v1/completions)
     until killed: a reference server for tests and for machines without SGLang or vLLM.
@@ -207,11 +240,25 @@ def serve_reference(
     """
     from dflash_core.reference_server import DTYPES, serve_reference as serve
 
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"one of {', '.join(DTYPES)}, got {dtype!r}", param_hint="--dtype")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise typer.BadParameter(f"one of auto, {', '.join(DTYPES)}, got {dtype!r}", param_hint="--dtype")
+    api_key = None
+    if api_key_file is not None:
+        try:
+            api_key = Path(api_key_file).read_text().strip()
+        except OSError as e:
+            raise typer.BadParameter(f"cannot read {api_key_file} ({e.strerror})", param_hint="--api-key-file") from None
+        if not api_key:
+            raise typer.BadParameter(f"{api_key_file} is empty", param_hint="--api-key-file")
     try:
+        if dtype == "auto":
+            from tasks.target import resolve_dtype
+
+            choice = resolve_dtype(dtype, target)
+            dtype = choice.name
+            typer.echo(f"--dtype auto: {dtype} ({choice.note})" if choice.note else f"--dtype auto: {dtype}")
         serve(target, host=host, port=port, dtype=dtype, served_model_name=served_model_name, device=device,
-              log=typer.echo)
+              log=typer.echo, api_key=api_key)
     except (ValueError, OSError) as e:  # no such target, port in use
         typer.secho(f"error: {e}", err=True, fg="red")
         raise typer.Exit(2) from None
@@ -262,7 +309,9 @@ def serve(
                               "checkpoints not scored yet, oldest step first."),
     watch_interval: float = typer.Option(300, "--watch-interval", help="Seconds between two looks at the relay."),
     dtype: str = DTYPE, device: str = DEVICE, sliding_semantics: str = SEMANTICS,
-    baseline: str = BASELINE,
+    baseline: str = BASELINE, drafter_config: str = DRAFTER_CONFIG, include: list[str] = INCLUDE,
+    checkpoint_wait: float = CHECKPOINT_WAIT, settle_seconds: float = SETTLE_SECONDS,
+    reference: str = REFERENCE, reference_api_key_file: str = REFERENCE_API_KEY_FILE, concurrency: int = CONCURRENCY,
 ):
     """Serve the deployments on this machine without a work pool (Prefect serve), until interrupted:
     evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
@@ -275,7 +324,10 @@ def serve(
         typer.secho("error: set PREFECT_API_URL to a Prefect server (`prefect server start`): deployments, "
                     "event triggers and schedules live there", err=True, fg="red")
         raise typer.Exit(2)
-    parameters = {"dtype": dtype, "device": device, "sliding_semantics": sliding_semantics}
+    parameters = {"dtype": dtype, "device": device, "sliding_semantics": sliding_semantics,
+                  "reference": reference, "concurrency": concurrency,
+                  "reference_api_key_file": _absolute(reference_api_key_file) if reference_api_key_file else None,
+                  **_checkpoint_options(drafter_config, include, checkpoint_wait, settle_seconds)}
     if baseline:
         parameters["baseline"] = _absolute(baseline)
     serve_deployments(target=_absolute(target), prompts=_absolute(prompts), relay=relay,
@@ -285,8 +337,9 @@ def serve(
 
 @app.command("history")
 def history_command(store: str = STORE):
-    """Tau of every scored checkpoint in the store, by training step, with the best one and regressions
-    (a 95% interval entirely below the best earlier step's)."""
+    """Tau of every scored checkpoint in the store, by training step (checkpoints without one by when they
+    were first scored, never by path), with the best one and regressions (a 95% interval entirely below the
+    best earlier step's; a checkpoint without a step is never flagged: its place among the steps is unknown)."""
     from rich.console import Console
     from rich.table import Table
 
@@ -300,14 +353,15 @@ def history_command(store: str = STORE):
     console = Console(width=160)
     for group in groups:
         table = Table(title=group.title)
-        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", ""):
+        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", "first scored (UTC)", ""):
             table.add_column(column)
         for row in group.rows:
             ci = row["tau_macro_ci95"]
             mark = "best" if row["best"] else "REGRESSION" if row["regression"] else "baseline" if row["baseline"] else ""
             step = "-" if row["step"] is None else str(row["step"])
+            scored = f"{row['scored_at']:%Y-%m-%d %H:%M:%S}" if row["scored_at"] else "-"
             table.add_row("baseline" if row["baseline"] else step, row["label"], f"{row['tau_macro']:.3f}",
-                          f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row['tau_pooled']:.3f}", mark)
+                          f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row['tau_pooled']:.3f}", scored, mark)
         console.print(table)
 
 
@@ -360,7 +414,8 @@ def relay_serve(
     max_rate_mb: float = typer.Option(None, "--max-rate-mb", help="Cap on MB/s sent over all downloads together "
                                       "(leave bandwidth to a trainer on the same link); default no cap."),
 ):
-    """Serve the checkpoints under ROOT (each a folder with config.json and safetensors) over HTTP.
+    """Serve the checkpoints under ROOT over HTTP: Hugging Face folders (config.json + safetensors) and
+    SpecForge saves, at any depth; only the files evaluation needs are hashed and sent.
 
     A checkpoint's URL is the relay's URL + its folder relative to ROOT, e.g.
     `dflash-eval run --drafter http://relay:8700/run1/step_1000 ...`.
@@ -405,11 +460,11 @@ def relay_ls(
         typer.secho(f"error: {e}", err=True, fg="red")
         raise typer.Exit(2) from None
     table = Table(title=f"{url}: {len(checkpoints)} checkpoints")
-    for column in ("checkpoint", "step", "size", "in store"):
+    for column in ("checkpoint", "step", "layout", "size (what evaluation fetches)", "in store"):
         table.add_column(column)
     for checkpoint, in_store in zip(checkpoints, held):
         table.add_row(f"{url.rstrip('/')}/{checkpoint['path']}", str(checkpoint["step"] if checkpoint["step"] is not None else "-"),
-                      f"{checkpoint['total_bytes'] / 1e6:.1f} MB", "yes" if in_store else "no")
+                      checkpoint.get("layout", "hf"), f"{checkpoint['total_bytes'] / 1e6:.1f} MB", "yes" if in_store else "no")
     Console(width=200).print(table)
 
 

@@ -14,12 +14,11 @@ After scoring the flow rewrites the store's report and publishes Prefect artifac
 stable per target and prompt set (flows/artifacts.py).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from transformers import AutoTokenizer
 
@@ -30,15 +29,15 @@ from dflash_core.target import read_target_config
 from flows.artifacts import publish
 from flows.history import BASELINES
 from storage import Store, read_json
-from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
+from storage.relay_client import RelayError
 from tasks.diagnostics import diagnose, layers_needed
 from tasks.drafts import draft
 from tasks.features import extract_target_features
-from tasks.fetch import fetch_checkpoint, is_relay_url, local_path, relay_token, source_step
+from tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, await_checkpoint, fetch_checkpoint, read_config, source_step
 from tasks.references import generate_references, load_prompts
 from tasks.scores import score
 from tasks.stage import run_entry
-from tasks.target import DTYPES
+from tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
 
 STAGES = ("fetch", "references", "features", "drafts", "scores", "diagnostics")
 # What each stage needs done first (a hand-run stage runs these too; they are usually cached).
@@ -63,19 +62,22 @@ class CheckedInputs:
 def check_inputs(
     target: str, drafter: str, prompts: str, max_new_tokens: int, dtype: str, device: str,
     sliding_semantics: str, thinking: bool = False, reference: str = "local", temperature: float = 0.0,
-    relay_token_file: str | None = None, baseline: str | None = None,
+    relay_token_file: str | None = None, baseline: str | None = None, reference_api_key_file: str | None = None,
+    drafter_config: str | None = None, include: list[str] | None = None, checkpoint_wait: float | None = None,
+    settle_seconds: float | None = None,
 ) -> CheckedInputs:
     """Read everything an evaluation needs, without writing anything: raises InputError on bad input.
 
     A reference server is asked who it is and checked against the target's tokenizer here, so a
-    mismatched or dead server is refused before any stage stores anything."""
+    mismatched or dead server, or one that refuses the API key (or its absence), is refused before
+    any stage stores anything."""
     if temperature != 0:
         raise InputError(
             f"--temperature {temperature}: only greedy decoding (temperature 0) is evaluated; at any other temperature "
             "the references are samples, and replaying them would not equal speculative decoding"
         )
-    if dtype not in DTYPES:
-        raise InputError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPE_CHOICES:
+        raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
     if sliding_semantics not in SLIDING_SEMANTICS:
         raise InputError(f"--sliding-semantics must be one of {', '.join(SLIDING_SEMANTICS)}, got {sliding_semantics!r}")
     if max_new_tokens < 1:
@@ -93,13 +95,17 @@ def check_inputs(
     except (ValueError, OSError) as e:
         raise InputError(f"target {target}: {e}") from None
     try:
-        drafter_config = _read_drafter_source(drafter, relay_token_file)
-        check_compatible(drafter_config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
+        checkpoint_wait_options = {"relay_token_file": relay_token_file, "include": include,
+                                   "wait_seconds": checkpoint_wait, "settle_seconds": settle_seconds}
+        tokenizer = target_tokenizer(target)  # resolves a mask token given as a string
+        drafter_checkpoint = _read_drafter_source(drafter, tokenizer, drafter_config=drafter_config,
+                                                  **checkpoint_wait_options)
+        check_compatible(drafter_checkpoint, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
     if baseline is not None:
         try:
-            baseline_config = _read_drafter_source(baseline, relay_token_file)
+            baseline_config = _read_drafter_source(baseline, tokenizer, **checkpoint_wait_options)
             check_compatible(baseline_config, target_config.hidden_size, target_config.vocab_size,
                              target_config.num_layers)
         except DrafterError as e:
@@ -116,37 +122,24 @@ def check_inputs(
         )
     if reference != "local":
         try:
-            backend = open_backend(reference, AutoTokenizer.from_pretrained(target))
+            backend = open_backend(reference, AutoTokenizer.from_pretrained(target), api_key_file=reference_api_key_file)
             backend.identity  # noqa: B018 (asks the server which model it serves)
             backend.check_matches(target_config.vocab_size)
         except (ValueError, BackendError) as e:
             raise InputError(f"reference server: {e}") from None
-    return CheckedInputs(drafter=drafter_config, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers)
+    return CheckedInputs(drafter=drafter_checkpoint, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers)
 
 
-def _read_drafter_source(drafter: str, relay_token_file: str | None) -> DrafterConfig:
-    """The drafter's config, read from a local folder or from a relay (only config.json and the
-    manifest travel: nothing is downloaded into the store before the inputs are known to fit)."""
-    if is_relay_url(drafter):
-        try:
-            base_url, path = parse_checkpoint_url(drafter)
-            client = RelayClient(base_url, token=relay_token(relay_token_file))
-            names = {f["name"] for f in client.manifest(path)["files"]}
-            if "model.safetensors" not in names and "model.safetensors.index.json" not in names:
-                raise InputError(f"drafter checkpoint {drafter} has no model.safetensors (or model.safetensors.index.json)")
-            raw = json.loads(client.read_small_file(path, "config.json"))
-        except (RelayError, OSError) as e:
-            raise InputError(f"drafter {drafter}: {e}") from None
-        except ValueError as e:
-            raise InputError(f"drafter {drafter}: config.json is not JSON ({e})") from None
-        return DrafterConfig.from_dict(raw, source=f"{drafter}/config.json")
-    drafter_dir = local_path(drafter)
-    if not drafter_dir.is_dir():
-        raise InputError(f"drafter checkpoint {drafter} is not a directory: pass a folder with config.json and "
-                         "model.safetensors, or a relay URL http://HOST:PORT/<path>")
-    if not (drafter_dir / "model.safetensors").is_file() and not (drafter_dir / "model.safetensors.index.json").is_file():
-        raise InputError(f"drafter checkpoint {drafter} has no model.safetensors (or model.safetensors.index.json)")
-    return read_drafter_config(drafter_dir)
+def _read_drafter_source(drafter: str, tokenizer, drafter_config: str | None = None, **wait_options) -> DrafterConfig:
+    """The drafter's config, once its checkpoint is finished (waited for, bounded): read from a local
+    folder or a relay (only config.json and the manifest travel: nothing is downloaded into the
+    store before the inputs are known to fit), its run folder, or `drafter_config`."""
+    try:
+        ready = await_checkpoint(drafter, **wait_options)
+        raw, config_source = read_config(ready, drafter_config)
+    except (CheckpointError, RelayError, OSError) as e:
+        raise InputError(str(e)) from None
+    return DrafterConfig.from_dict(raw, source=f"{drafter} config.json ({config_source})", tokenizer=tokenizer)
 
 
 def stages_to_run(until: str) -> list[str]:
@@ -173,7 +166,7 @@ def evaluate_checkpoint(
     prompts: str,
     max_new_tokens: int = 256,
     store: str | None = None,
-    dtype: str = "float32",
+    dtype: str = AUTO,
     device: str = "cpu",
     sliding_semantics: str = "causal",
     thinking: bool = False,
@@ -186,26 +179,51 @@ def evaluate_checkpoint(
     baseline: str | None = None,
     report_dir: str | None = None,
     all_positions: bool = False,
+    reference_api_key_file: str | None = None,
+    drafter_config: str | None = None,
+    include: list[str] | None = None,
+    checkpoint_wait: float = DEFAULT_WAIT_SECONDS,
+    settle_seconds: float | None = None,
 ) -> dict:
     """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
     prompts: a JSONL file or a shipped suite name (math, code, chat, multiturn).
     reference: where greedy references come from: local, sglang+http://HOST:PORT, openai+http://HOST:PORT/v1
-    (concurrency: requests in flight to a server). lookahead: keep B-1 greedy tokens past each
+    (concurrency: requests in flight to a server; reference_api_key_file: a file holding its API key, else
+    $DFLASH_REFERENCE_API_KEY; the key itself is never a parameter). lookahead: keep B-1 greedy tokens past each
     completion so its last step is scored against a whole block (not clipped).
     until: run only this stage and what it depends on ("diagnostics" adds them to a full run).
     refresh: stages to recompute even if cached. baseline: another drafter (e.g. the published one)
     scored alongside, as its own row. report_dir: where the report is rewritten (default <store>/report).
     all_positions: also score a block at every position (all_positions_tau in the results).
+    drafter_config: the drafter's config.json for checkpoints saved without one (SpecForge's run-stepN
+    folders), when their run folder holds none either. include: more checkpoint files to fetch (fnmatch
+    patterns; the drafter's own files always travel). checkpoint_wait: seconds to wait for a checkpoint
+    that is absent or still being written (settle_seconds: how long a folder must be untouched to count
+    as finished; default $DFLASH_SETTLE_SECONDS, else 30).
+    dtype: auto (the target checkpoint's own; float16 ones compute in float32), float32 or bfloat16;
+    resolved once before any stage, and the results record the resolved name (dtype_requested: what was asked).
     Returns the results record (also what `dflash-eval run --out` writes).
     """
+    # a deployment's templated parameters arrive as "" when their variable is unset
+    reference = reference or "local"
+    drafter_config, reference_api_key_file = drafter_config or None, reference_api_key_file or None
     inputs = check_inputs(target, drafter, prompts, max_new_tokens, dtype, device, sliding_semantics, thinking,
-                          reference, relay_token_file=relay_token_file, baseline=baseline)
+                          reference, relay_token_file=relay_token_file, baseline=baseline,
+                          reference_api_key_file=reference_api_key_file, drafter_config=drafter_config,
+                          include=include, checkpoint_wait=checkpoint_wait, settle_seconds=settle_seconds)
     refresh = set(refresh or ())
     unknown = refresh - set(STAGES)
     if unknown:
         raise InputError(f"cannot refresh unknown stages {sorted(unknown)}: stages are {', '.join(STAGES)}")
     run = stages_to_run(until)
+    # once, before any stage computes a key: `auto` and the name it resolves to share the store's entries
+    dtype_choice = resolve_dtype(dtype, target)
+    dtype = dtype_choice.name
+    if dtype_choice.note:
+        get_run_logger().warning(f"--dtype {dtype_choice.requested}: {dtype_choice.note}")
+    elif dtype_choice.requested == AUTO:
+        get_run_logger().info(f"--dtype auto: {dtype}, the target checkpoint's own")
     root = str(Store(store).root.resolve())
     states, outputs = {}, {}
 
@@ -217,19 +235,22 @@ def evaluate_checkpoint(
 
     layer_ids = tuple(inputs.drafter.target_layer_ids)
     if "fetch" in run:
-        checkpoint = step("fetch", fetch_checkpoint, drafter, relay_token_file=relay_token_file)
+        checkpoint = step("fetch", fetch_checkpoint, drafter, relay_token_file=relay_token_file,
+                          drafter_config=drafter_config, include=include, wait_seconds=checkpoint_wait,
+                          settle_seconds=settle_seconds)
         # the fetched copy is what gets drafted: take its layer ids (the source may have changed since)
-        layer_ids = tuple(read_drafter_config(checkpoint.path).target_layer_ids)
+        layer_ids = tuple(read_drafter_config(checkpoint.path, tokenizer=target_tokenizer(target)).target_layer_ids)
     with_baseline = baseline is not None and "scores" in run
     if with_baseline:
         baseline_checkpoint = step("fetch", fetch_checkpoint, baseline, relay_token_file=relay_token_file,
-                                   name="baseline fetch")
+                                   wait_seconds=checkpoint_wait, settle_seconds=settle_seconds, name="baseline fetch")
         mark_baseline(Store(root), baseline_checkpoint)
-        baseline_layer_ids = tuple(read_drafter_config(baseline_checkpoint.path).target_layer_ids)
+        baseline_layer_ids = tuple(read_drafter_config(baseline_checkpoint.path,
+                                                       tokenizer=target_tokenizer(target)).target_layer_ids)
     if "references" in run:
         refs = step("references", generate_references, target, prompts, max_new_tokens, reference=reference,
                     lookahead=inputs.drafter.block_size - 1 if lookahead else 0, dtype=dtype, device=device,
-                    thinking=thinking, concurrency=concurrency)
+                    thinking=thinking, concurrency=concurrency, reference_api_key_file=reference_api_key_file)
     if "features" in run:
         # one target pass extracts every layer this run reads
         wanted = set(layer_ids)
@@ -255,7 +276,8 @@ def evaluate_checkpoint(
     results = read_json(outputs["scores"].path) if "scores" in run else {}
     results.update({
         "drafter": {"source": drafter, "key": outputs["fetch"].key if "fetch" in run else None,
-                    "step": outputs["fetch"].step if "fetch" in run else source_step(drafter)},
+                    "step": outputs["fetch"].step if "fetch" in run else source_step(drafter),
+                    **({"layout": checkpoint.layout, "config_source": checkpoint.config_source} if "fetch" in run else {})},
         "target": str(target),
         "prompts": str(prompts),
         "reference": reference,
@@ -264,6 +286,8 @@ def evaluate_checkpoint(
         "max_new_tokens": max_new_tokens,
         "layer_ids": list(layer_ids),
         "dtype": dtype,
+        "dtype_requested": dtype_choice.requested,
+        "dtype_note": dtype_choice.note,
         "device": device,
         "store": root,
         "stages": {s: "cached" if st.name == "Cached" else "ran" for s, st in states.items()},

@@ -13,9 +13,9 @@ import json
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
-from storage import Store
+from storage import Store, key_of
 from storage.relay_client import RelayClient
-from tasks.fetch import relay_token
+from tasks.fetch import await_checkpoint, fetched_files, relay_token
 
 from .history import history
 
@@ -50,8 +50,12 @@ def watch_relay(
     settings = {"target": target, "prompts": prompts, "store": store, "max_new_tokens": max_new_tokens,
                 **(parameters or {})}
     started = []
+    options = parameters or {}
     for checkpoint in checkpoints:
-        key = client.manifest(checkpoint["path"])["key"]
+        # the key the evaluation's fetch will have: its files, and the config it will be given
+        ready = await_checkpoint(f"{base_url}/{checkpoint['path']}", relay_token_file, options.get("include"),
+                                 wait_seconds=0)
+        key = key_of({"files": fetched_files(ready, options.get("drafter_config"), Store(store))[0]})
         if key in done:
             continue
         run_parameters = {**settings, "drafter": f"{base_url}/{checkpoint['path']}"}

@@ -18,11 +18,11 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import requests
 import urllib3
@@ -39,12 +39,16 @@ _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 class RelayError(Exception):
     """Anything that went wrong talking to a relay; the message says what and what to do.
 
-    `status`: the relay's HTTP status when it answered with an error (401, 404, ...), else None.
+    `status`: the relay's HTTP status when it answered with an error (401, 404, 409, ...), else None;
+    `detail`: the relay's own error text; `headers`: headers worth passing on (Retry-After).
     """
 
-    def __init__(self, message: str, status: int | None = None):
+    def __init__(self, message: str, status: int | None = None, detail: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.detail = detail
+        self.headers = headers or {}
 
 
 def parse_checkpoint_url(url: str) -> tuple[str, str]:
@@ -186,11 +190,14 @@ class RelayClient:
             raise RelayError(
                 f"{what}: no checkpoint {path} on {self.base_url} ({detail}); "
                 f"`dflash-eval relay ls {self.base_url}` lists them",
-                status,
+                status, detail,
             )
+        if status == 409:  # the checkpoint exists but is still being written: worth waiting for
+            retry_after = response.headers.get("Retry-After")
+            raise RelayError(f"{what}: {detail}", status, detail, {"Retry-After": retry_after} if retry_after else None)
         if status >= 500:
             raise _Retry(f"{what}: HTTP {status} from {self.base_url}: {detail}")
-        raise RelayError(f"{what}: HTTP {status} from {self.base_url}: {detail}", status)
+        raise RelayError(f"{what}: HTTP {status} from {self.base_url}: {detail}", status, detail)
 
     def _sleep(self, failures: int) -> None:
         time.sleep(self.backoff * (2 ** (failures - 1)))
@@ -221,20 +228,31 @@ class RelayClient:
             raise RelayError(f"listing checkpoints: unexpected answer from {self.base_url}: {str(data)[:200]}")
         return data["checkpoints"]
 
-    def manifest(self, path: str) -> dict:
-        """The validated manifest of checkpoint `path` (RelayError if the relay sends a malformed one)."""
-        data = self._get_json(self._url("manifest", path), f"manifest of {path}", path, self.manifest_timeout)
-        return validate_manifest(data, f"{self.base_url} for {path}")
+    def manifest(self, path: str, include: Iterable[str] = ()) -> dict:
+        """The validated manifest of checkpoint `path`: the files evaluation needs, plus those matching
+        the `include` patterns (RelayError if the relay sends a malformed one). Its "path" is the
+        checkpoint's own path (it differs from `path` when that names a link such as run1-latest)."""
+        url = self._url("manifest", path)
+        include = list(include)
+        if include:
+            url += "?" + urlencode([("include", pattern) for pattern in include])
+        data = self._get_json(url, f"manifest of {path}", path, self.manifest_timeout)
+        manifest = validate_manifest(data, f"{self.base_url} for {path}")
+        if not isinstance(manifest.get("path"), str):
+            manifest["path"] = path
+        _check_relay_path(manifest["path"])
+        return manifest
 
-    def read_small_file(self, path: str, name: str, max_bytes: int = 16 << 20) -> bytes:
+    def read_small_file(self, path: str, name: str, max_bytes: int = 16 << 20, manifest: dict | None = None) -> bytes:
         """The bytes of one small file of a checkpoint (e.g. config.json, to check it before any
         download), verified against the manifest's sha256."""
-        entry = next((f for f in self.manifest(path)["files"] if f["name"] == name), None)
+        manifest = manifest or self.manifest(path)
+        entry = next((f for f in manifest["files"] if f["name"] == name), None)
         if entry is None:
             raise RelayError(f"checkpoint {path} on {self.base_url} has no {name}")
         if entry["size"] > max_bytes:
             raise RelayError(f"{name} of {path} is {entry['size']} bytes, more than {max_bytes} to read into memory")
-        response = self._session.get(self._url("files", path, name), timeout=(self.timeout, self.timeout))
+        response = self._session.get(self._url("files", manifest["path"], name), timeout=(self.timeout, self.timeout))
         self._raise_for(response, f"reading {name} of {path}", path)
         if hashlib.sha256(response.content).hexdigest() != entry["sha256"]:
             raise RelayError(f"{name} of {path} from {self.base_url} does not match its manifest sha256")
@@ -248,14 +266,18 @@ class RelayClient:
         destination_dir: str | os.PathLike,
         parallel: int = 4,
         progress: Callable[[int, int], None] | None = None,
+        manifest: dict | None = None,
     ) -> dict:
-        """Download every file of checkpoint `path` into `destination_dir`, verified; return the manifest.
+        """Download every file of the manifest of checkpoint `path` into `destination_dir`, verified;
+        return the manifest.
 
+        manifest: one already read (e.g. with include patterns); its "path" is downloaded.
         Resumes partial files in `destination_dir/.partial/`, skips files already there and
         verified, retries transient failures. `progress(bytes_done, bytes_total)` is called as
         bytes arrive (from the download threads, one call at a time).
         """
-        manifest = self.manifest(path)  # validated before anything is written
+        manifest = manifest or self.manifest(path)  # validated before anything is written
+        path = manifest["path"]
         destination = Path(destination_dir)
         total = manifest["total_bytes"]
         lock = threading.Lock()

@@ -4,39 +4,54 @@ A training box runs a relay over its checkpoint folder; the eval box downloads f
 relay in between, started with `upstream=`, which pulls each file through once and caches it).
 
 What is a checkpoint
-    A directory at any depth under the served DIR that holds `config.json` and at least one
-    `*.safetensors`. Its files are the regular files directly in it (no subfolders, no names
-    starting with '.'). Its relay path is its directory relative to DIR in POSIX form
-    (`run1/step_1000`). Its step is the trailing number of the directory name (`step_1000`,
-    `checkpoint-1000`, `iter1000`), else `config.json`'s integer "step", else null.
-    Directories whose name starts with '.' are not searched.
+    A directory at any depth under the served DIR that holds drafter weights in a layout that
+    `storage.checkpoint` knows: a `save_pretrained` folder (model.safetensors or an index and its
+    shards, SpecForge's older `epoch_E_step_S/` too) or SpecForge's `{run_id}-stepN/` with its
+    `training_state.pt`. Its relay path is its directory relative to DIR in POSIX form
+    (`run1/step_1000`); its step comes from `storage.checkpoint.training_step`. Directories whose
+    name starts with '.' are not searched. A symlinked directory inside DIR (SpecForge's
+    `{run_id}-latest`, `-best`) is not listed, and a manifest asked through it is the manifest of
+    the directory it points to, under that directory's path: the same checkpoint, never a second.
+
+What is sent (only what evaluation needs)
+    The manifest lists, hashes and totals only the files the drafter needs
+    (`storage.checkpoint.checkpoint_files`: config, weights, trainer_state.json), plus those
+    matching `?include=PATTERN` (repeatable). Optimizer, scheduler, RNG and per-rank state are
+    never hashed; a client downloads the files of its manifest. A checkpoint without config.json
+    whose parent folder (its run) holds one gets that one, named config.json, with
+    `"config_source": "run folder"`.
 
 When a checkpoint is listed (settle rule)
     Trainers such as SpecForge write no "done" marker, so a checkpoint still being written must be
     recognised otherwise: it is listed (and served) only when every regular file directly in it,
-    hidden ones included (temp files), was last modified at least `settle_seconds` ago, and, when
-    it has a `model.safetensors.index.json`, every shard the index names exists. A trainer that
-    pauses longer than `settle_seconds` in the middle of writing one checkpoint can defeat this;
-    the downloads are verified by sha256 against the manifest either way.
+    hidden ones included (temp files), was last modified at least `settle_seconds` ago, no
+    temporary file of a weight file is there, every shard an index names exists and every weight
+    file is whole (`storage.checkpoint.not_ready`). Asked for meanwhile, its manifest and files
+    answer 409 with Retry-After (a client waits and asks again), where an unknown path answers
+    404; a settled checkpoint whose weights are not whole answers 422. The downloads are verified
+    by sha256 against the manifest either way.
 
 Endpoints (GET; HEAD too for files)
-    /v1/checkpoints               {"checkpoints": [{"path", "step", "total_bytes", "n_files"}]}
-    /v1/manifest/<path>           {"path", "step", "total_bytes", "files": [{"name", "size",
-                                  "sha256"}], "key"}, key = key_of({"files": {name: sha256}})
-                                  (= storage.hashing.directory_digest over the same files)
-    /v1/files/<path>/<name>       the bytes; Range `bytes=a-`, `bytes=a-b`, `bytes=-n` -> 206 +
-                                  Content-Range, unsatisfiable -> 416; Content-Length always
+    /v1/checkpoints               {"checkpoints": [{"path", "step", "layout", "total_bytes", "n_files"}]}
+    /v1/manifest/<path>[?include=PATTERN...]
+                                  {"path", "step", "layout", "config_source", "total_bytes",
+                                  "files": [{"name", "size", "sha256"}], "key"},
+                                  key = key_of({"files": {name: sha256}})
+    /v1/files/<path>/<name>       the bytes of any file of the checkpoint; Range `bytes=a-`,
+                                  `bytes=a-b`, `bytes=-n` -> 206 + Content-Range, unsatisfiable
+                                  -> 416; Content-Length always
     Errors are JSON {"error": "..."}: 400 malformed path, 401 missing/wrong token, 404 unknown,
-    502 upstream failure.
+    409 still being written (Retry-After), 422 broken weights, 502 upstream failure.
 
 Security
     With a token, every request needs `Authorization: Bearer <token>` (constant-time compare);
     the token is never logged. Only checkpoints found by the scan and file names in their
     manifest are served: path segments are percent-decoded one by one and a segment that is
     empty, '.', '..', or holds '/', '\\' or NUL is refused (400), so `..`, `%2F` and `%2e%2e` never
-    reach the filesystem. Symlinked directories are never followed (not searched, not served),
-    and a symlinked file that resolves outside DIR is not part of any checkpoint (one that
-    resolves inside DIR is). Plain HTTP: run it on a trusted network or behind TLS.
+    reach the filesystem. Symlinked directories are never searched, and served only as the
+    directory inside DIR they point to; a symlinked file that resolves outside DIR is not part
+    of any checkpoint (one that resolves inside DIR is). Plain HTTP: run it on a trusted network
+    or behind TLS.
 
 Digests are computed once per file (DigestCache in `state_dir/digests.json`, keyed by path, size
 and mtime). A pull-through relay caches files in `state_dir/cache/<path>/<name>`.
@@ -48,33 +63,46 @@ import hmac
 import io
 import json
 import logging
+import math
 import os
 import queue
 import re
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import parse_qs, unquote
 
-from .checkpoint import training_step
+from .checkpoint import (
+    CONFIG,
+    INDEX,
+    TRAINING_STATE,
+    WEIGHTS,
+    CheckpointBroken,
+    CheckpointFiles,
+    NotACheckpoint,
+    checkpoint_files,
+    not_ready,
+    training_step,
+)
 from .hashing import DigestCache, key_of
 from .records import read_json, write_json_atomic
 from .relay_client import RelayClient, RelayError, check_file_name, validate_manifest
 
 log = logging.getLogger("storage.relay_server")
 
-INDEX_NAME = "model.safetensors.index.json"
 CHUNK_BYTES = 1 << 20
 DEFAULT_STATE_DIR = Path("~/.cache/dflash-eval/relay")
 
 
 class _HTTPError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
+        self.headers = headers or {}
 
 
 def _decode_segments(raw: str) -> list[str]:
@@ -191,56 +219,58 @@ class RelayServer:
 
     # ------------------------------------------------------------ local checkpoints
 
-    def _checkpoint_files(self, directory: Path) -> dict[str, os.stat_result] | None:
-        """{name: stat} of a settled checkpoint in `directory` (resolved, inside root), else None."""
+    def _checkpoint(self, directory: Path, include: tuple[str, ...] = ()) -> CheckpointFiles | None:
+        """The evaluation files of the checkpoint in `directory`, without any file that resolves
+        outside DIR (a symlink out of DIR is never part of a checkpoint); None if it holds no weights."""
+        found = checkpoint_files(directory, include)
+        if found is None:
+            return None
         root = str(self.root)
-        try:
-            entries = list(os.scandir(directory))
-        except OSError:
+        files = {n: p for n, p in found.files.items() if _inside(os.path.realpath(p), root)}
+        if not any(n in files for n in found.weight_files):
             return None
-        files: dict[str, os.stat_result] = {}
-        newest = 0.0
-        for entry in entries:
-            try:
-                if not entry.is_file():  # follows symlinks
-                    continue
-                if entry.is_symlink() and not _inside(os.path.realpath(entry.path), root):
-                    continue  # a symlink out of DIR is not part of any checkpoint
-                st = entry.stat()
-            except OSError:
-                continue
-            newest = max(newest, st.st_mtime)
-            if check_file_name(entry.name) is None:
-                files[entry.name] = st
-        if "config.json" not in files or not any(n.endswith(".safetensors") for n in files):
-            return None
-        if time.time() - newest < self.settle_seconds:
-            return None  # still being written (or just copied): not settled yet
-        if INDEX_NAME in files:
-            try:
-                weight_map = read_json(directory / INDEX_NAME)["weight_map"]
-                shards = set(weight_map.values())
-            except (OSError, ValueError, KeyError, TypeError, AttributeError):
-                return None  # an index being written
-            if not all(isinstance(s, str) and s in files for s in shards):
-                return None
-        return files
+        return replace(found, files=files, config_source=found.config_source if CONFIG in files else None)
 
-    def _local_dir(self, segments: list[str]) -> Path | None:
-        # Symlinked directories are not followed (as in the scan): the real path must be the path.
+    def _local_dir(self, segments: list[str]) -> tuple[str, Path] | None:
+        """(canonical relay path, directory) that `segments` name. A symlinked folder (SpecForge's
+        `{run_id}-latest`, `-best`) names the folder it points to when that lies inside DIR: the same
+        checkpoint under its own path, never a second one. Anything else symlinked is not followed."""
         if self.root is None or any(s.startswith(".") for s in segments):
             return None
         directory = self.root.joinpath(*segments)
-        if os.path.realpath(directory) != str(directory):
+        real = os.path.realpath(directory)
+        if real == str(directory):
+            return "/".join(segments), directory
+        if not _inside(real, str(self.root)) or real == str(self.root):
             return None
-        return directory
+        canonical = Path(real).relative_to(self.root).parts
+        if any(s.startswith(".") for s in canonical):
+            return None
+        return "/".join(canonical), Path(real)
 
-    def _local_checkpoint(self, segments: list[str]) -> tuple[Path, dict[str, os.stat_result]] | None:
-        directory = self._local_dir(segments)
-        if directory is None:
+    def _local_checkpoint(self, segments: list[str], include: tuple[str, ...] = ()) -> tuple[str, CheckpointFiles] | None:
+        """(canonical path, files) of a ready checkpoint; None when there is no such folder here.
+
+        Raises _HTTPError 409 (with Retry-After) while the folder is still being written, 404 for a
+        folder without drafter weights, 422 for a settled checkpoint whose weight files are broken."""
+        located = self._local_dir(segments)
+        if located is None or not located[1].is_dir():
             return None
-        files = self._checkpoint_files(directory)
-        return (directory, files) if files is not None else None
+        path, directory = located
+        found = self._checkpoint(directory, include)
+        try:
+            pending = not_ready(directory, self.settle_seconds, found)
+        except CheckpointBroken as e:
+            raise _HTTPError(422, f"checkpoint {path} is broken: {e}; the trainer's save did not complete")
+        except NotACheckpoint:
+            raise _HTTPError(404, f"no checkpoint {path}: the folder holds no drafter weights "
+                                  f"({WEIGHTS}, {INDEX} or {TRAINING_STATE})")
+        except FileNotFoundError:
+            return None
+        if pending is not None:
+            raise _HTTPError(409, f"checkpoint {path} is still being written: {pending}",
+                             headers={"Retry-After": str(max(1, math.ceil(self.settle_seconds / 3)))})
+        return path, found
 
     def _scan(self) -> list[dict]:
         found = []
@@ -252,20 +282,24 @@ class RelayServer:
             rel = Path(dirpath).relative_to(root).as_posix()
             if rel == ".":
                 continue
-            files = self._checkpoint_files(Path(dirpath))
-            if files is not None:
-                found.append(
-                    {
-                        "path": rel,
-                        "step": training_step(dirpath),
-                        "total_bytes": sum(st.st_size for st in files.values()),
-                        "n_files": len(files),
-                    }
-                )
+            checkpoint = self._checkpoint(Path(dirpath))
+            try:
+                if checkpoint is None or not_ready(dirpath, self.settle_seconds, checkpoint) is not None:
+                    continue
+            except (CheckpointBroken, FileNotFoundError):
+                continue  # a manifest request says why
+            found.append({
+                "path": rel,
+                "step": training_step(dirpath),
+                "layout": checkpoint.layout,
+                "total_bytes": sum(p.stat().st_size for p in checkpoint.files.values()),
+                "n_files": len(checkpoint.files),
+            })
         return found
 
-    def _local_manifest(self, path: str, directory: Path, files: dict[str, os.stat_result]) -> dict:
-        fingerprint = tuple(sorted((n, st.st_size, st.st_mtime_ns) for n, st in files.items()))
+    def _local_manifest(self, path: str, checkpoint: CheckpointFiles) -> dict:
+        files = {name: file.stat() for name, file in checkpoint.files.items()}
+        fingerprint = (checkpoint.config_source, tuple(sorted((n, st.st_size, st.st_mtime_ns) for n, st in files.items())))
         cached = self._manifests.get(path)
         if cached and cached[0] == fingerprint:
             return cached[1]
@@ -274,12 +308,14 @@ class RelayServer:
             if cached and cached[0] == fingerprint:
                 return cached[1]
             entries = [
-                {"name": name, "size": files[name].st_size, "sha256": self.digests.sha256(directory / name)}
+                {"name": name, "size": files[name].st_size, "sha256": self.digests.sha256(checkpoint.files[name])}
                 for name in sorted(files)
             ]
             manifest = {
                 "path": path,
-                "step": training_step(directory),
+                "step": training_step(checkpoint.directory),
+                "layout": checkpoint.layout,
+                "config_source": checkpoint.config_source,
                 "total_bytes": sum(e["size"] for e in entries),
                 "files": entries,
                 "key": key_of({"files": {e["name"]: e["sha256"] for e in entries}}),
@@ -300,29 +336,30 @@ class RelayServer:
                 raise _HTTPError(502, f"upstream relay: {e}")
         return [checkpoints[p] for p in sorted(checkpoints)]
 
-    def manifest(self, segments: list[str]) -> dict:
-        path = "/".join(segments)
-        local = self._local_checkpoint(segments)
+    def manifest(self, segments: list[str], include: tuple[str, ...] = ()) -> dict:
+        """The manifest of the evaluation files of a checkpoint (plus files matching `include`)."""
+        local = self._local_checkpoint(segments, include)
         if local is not None:
-            return self._local_manifest(path, *local)
+            return self._local_manifest(*local)
+        path = "/".join(segments)
         if self.upstream is not None:
-            return self._upstream_manifest(path)
+            return self._upstream_manifest(path, include)
         raise _HTTPError(404, f"no checkpoint {path}")
 
     def _manifest_copy(self, path: str) -> Path:
         return self.state_dir / "cache" / path / ".relay-manifest.json"
 
-    def _upstream_manifest(self, path: str) -> dict:
+    def _upstream_manifest(self, path: str, include: tuple[str, ...] = ()) -> dict:
         try:
-            manifest = self.upstream.manifest(path)
+            manifest = self.upstream.manifest(path, include)
         except RelayError as e:
-            if e.status == 404:
-                raise _HTTPError(404, f"no checkpoint {path}")
+            if e.status in (404, 409, 422):  # the upstream's own answer: passed on as it is
+                raise _HTTPError(e.status, str(e.detail or e), headers=e.headers)
             try:  # the upstream is away: what was fetched before is still good (content is verified)
                 return validate_manifest(read_json(self._manifest_copy(path)), str(self._manifest_copy(path)))
             except (OSError, ValueError, RelayError):
                 raise _HTTPError(502, f"upstream relay: {e}")
-        manifest = dict(manifest, path=path)
+        manifest = dict(manifest)  # its path is the upstream's own (a link's target's)
         try:
             if read_json(self._manifest_copy(path)) == manifest:
                 return manifest
@@ -337,16 +374,20 @@ class RelayServer:
             raise _HTTPError(404, "expected /v1/files/<checkpoint path>/<file name>")
         *path_segments, name = segments
         path = "/".join(path_segments)
-        local = self._local_checkpoint(path_segments)
+        local = self._local_checkpoint(path_segments, include=("*",))  # any file of it, hashed or not
         if local is not None:
-            directory, files = local
-            if name not in files:
+            _, checkpoint = local
+            if name not in checkpoint.files:
                 raise _HTTPError(404, f"no file {name} in checkpoint {path}")
-            return Path(os.path.realpath(directory / name)), files[name].st_size
+            file = Path(os.path.realpath(checkpoint.files[name]))
+            return file, file.stat().st_size
         if self.upstream is None:
             raise _HTTPError(404, f"no checkpoint {path}")
         manifest = self._upstream_manifest(path)
         entry = next((e for e in manifest["files"] if e["name"] == name), None)
+        if entry is None:  # a file only a client's include pattern asked for: hash that one alone
+            manifest = self._upstream_manifest(path, (re.sub(r"([*?\[])", r"[\1]", name),))
+            entry = next((e for e in manifest["files"] if e["name"] == name), None)
         if entry is None:
             raise _HTTPError(404, f"no file {name} in checkpoint {path}")
         cache_dir = self.state_dir / "cache" / path
@@ -399,11 +440,13 @@ class RelayServer:
                 # The request line and status only: headers (the token) are never logged.
                 log.info("%s %s", self.address_string(), format % args)
 
-            def _json(self, status: int, obj: Any) -> None:
+            def _json(self, status: int, obj: Any, headers: dict[str, str] | None = None) -> None:
                 body = json.dumps(obj, sort_keys=True).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(body)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 if status == 401:
                     self.send_header("WWW-Authenticate", 'Bearer realm="dflash-relay"')
                 self.end_headers()
@@ -417,7 +460,7 @@ class RelayServer:
                 try:
                     if not relay.check_token(self.headers.get("Authorization")):
                         raise _HTTPError(401, "missing or wrong bearer token")
-                    raw = self.path.split("?", 1)[0].split("#", 1)[0]
+                    raw, _, query = self.path.split("#", 1)[0].partition("?")
                     if raw in ("/v1/checkpoints", "/v1/checkpoints/"):
                         return self._json(200, {"checkpoints": relay.list_checkpoints()})
                     for kind in ("manifest", "files"):
@@ -425,11 +468,12 @@ class RelayServer:
                         if raw.startswith(prefix):
                             segments = _decode_segments(raw[len(prefix) :])
                             if kind == "manifest":
-                                return self._json(200, relay.manifest(segments))
+                                include = tuple(parse_qs(query).get("include", ()))
+                                return self._json(200, relay.manifest(segments, include))
                             return self._send_file(*relay.open_file(segments))
                     raise _HTTPError(404, "unknown endpoint; the API is /v1/checkpoints, /v1/manifest/<path>, /v1/files/<path>/<name>")
                 except _HTTPError as e:
-                    self._json(e.status, {"error": e.message})
+                    self._json(e.status, {"error": e.message}, e.headers)
                 except UnicodeDecodeError:
                     self._json(400, {"error": "invalid percent-encoding in the path"})
                 except (BrokenPipeError, ConnectionResetError):

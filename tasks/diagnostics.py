@@ -25,7 +25,7 @@ from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .scores import Scores
 from .stage import cached, run_entry
-from .target import DTYPES
+from .target import DTYPES, target_tokenizer
 
 STAGE = "diagnostics"
 # Bump when what the diagnostics compute changes (part of the key).
@@ -69,14 +69,16 @@ def diagnose(
 
     def compute(entry: Path) -> dict:
         semantics = drafts.sliding_semantics
-        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=semantics)
+        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=semantics,
+                              tokenizer=target_tokenizer(target_dir))
         ids = tuple(drafter.target_layer_ids)
         num_layers = read_target_config(target_dir).num_layers
         variants, out_of_range = diagnostic_variants(ids, num_layers)
         switched = None
         if "sliding_attention" in drafter.cfg.layer_types:
             other = next(s for s in SLIDING_SEMANTICS if s != semantics)
-            switched = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=other)
+            switched = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=other,
+                                   tokenizer=target_tokenizer(target_dir))
         head = load_token_head(target_dir, dtype=DTYPES[dtype])
         embed, lm_head = head.embed_weight.to(device), head.head_weight.to(device)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)

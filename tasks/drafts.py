@@ -19,7 +19,7 @@ from .heavy import heavy
 from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .stage import cached, run_entry
-from .target import DTYPES
+from .target import DTYPES, target_tokenizer
 
 STAGE = "drafts"
 # Bump when replay changes what it records (part of the key).
@@ -53,7 +53,8 @@ def draft(
     """Acceptance lengths per prompt, in decode order (drafted against the references, no target run);
     all_positions: also the acceptance length of a block at every position (dflash_core.replay)."""
     store = Store(store_root)
-    config = read_drafter_config(checkpoint.path)  # the key needs only the config, not the weights
+    tokenizer = target_tokenizer(target_dir)  # resolves a mask token given as a string
+    config = read_drafter_config(checkpoint.path, tokenizer=tokenizer)  # the key needs only the config, not the weights
     key = key_of({
         "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
         "block_size": config.block_size, "sliding_semantics": sliding_semantics,
@@ -62,7 +63,8 @@ def draft(
     })
 
     def compute(entry: Path) -> dict:
-        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=sliding_semantics)
+        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=sliding_semantics,
+                               tokenizer=tokenizer)
         head = load_token_head(target_dir, dtype=DTYPES[dtype])
         check_compatible(drafter, head.embed_weight.shape[1], head.embed_weight.shape[0])
         embed, lm_head = head.embed_weight.to(device), head.head_weight.to(device)

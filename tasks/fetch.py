@@ -1,12 +1,26 @@
 """Fetch stage: bring a drafter checkpoint into the store, verified, keyed by its files' digests.
 
 Sources: a local folder (or `file://` URL), or a relay URL `http(s)://relay:port/<path>` (see
-storage/relay_server.py). Both give the same key for the same files, so a checkpoint fetched once is
-never downloaded or copied again, whichever way it is named.
+storage/relay_server.py). Only the files the drafter needs travel (`storage.checkpoint`: config,
+weights, trainer_state.json, plus `include` patterns): optimizer, scheduler, RNG and per-rank state
+are never read, hashed, sent or stored. Both sources give the same key for the same files, so a
+checkpoint fetched once is never downloaded or copied again, whichever way it is named (a SpecForge
+`run-latest` link included).
+
+A checkpoint the trainer is still writing is waited for, bounded by `wait_seconds`: a folder is
+ready once none of its files changed for `settle_seconds` and its weights are whole, a relay says
+409 until then. Where the checkpoint has no config.json, the drafter config comes from the run
+folder (the relay and `storage.checkpoint` find it) or from `drafter_config`; the record says which.
+
+The store holds every checkpoint in the published format (config.json + model.safetensors or
+shards): a SpecForge `training_state.pt` is read without executing it, its drafter weights are
+written as model.safetensors, and the payload itself is not kept.
 """
 
+import json
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -14,28 +28,63 @@ from urllib.parse import unquote, urlsplit
 from prefect import task
 from prefect.cache_policies import NONE
 
-from storage import Store, directory_digest, file_sha256
-from storage.checkpoint import step_from_name, training_step
-from storage.relay_client import RelayClient, parse_checkpoint_url
+from dflash_core.drafter import DrafterConfig, DrafterError
+from dflash_core.training_payload import export_drafter_weights
+from storage import Store, file_sha256, key_of
+from storage.checkpoint import (
+    CONFIG,
+    TRAINING_STATE,
+    WEIGHTS,
+    CheckpointBroken,
+    CheckpointFiles,
+    NotACheckpoint,
+    checkpoint_files,
+    not_ready,
+    step_from_name,
+    training_step,
+)
+from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
 
-from .progress import StageProgress
+from .progress import StageProgress, stage_logger
 from .stage import cached, run_entry
 
 STAGE = "fetch"
 CHECKPOINT_DIRNAME = "checkpoint"
-# The files of a checkpoint: every regular file directly in its folder but hidden ones (as the relay serves them).
-CHECKPOINT_FILES = ("[!.]*",)
 RELAY_TOKEN_ENV = "DFLASH_RELAY_TOKEN"
+SETTLE_ENV = "DFLASH_SETTLE_SECONDS"
+DEFAULT_SETTLE_SECONDS = 30.0  # as the relay: a folder untouched this long is taken as finished
+DEFAULT_WAIT_SECONDS = 300.0  # a save of a 17 GB checkpoint to a shared disk takes a few minutes
+LOG_EVERY_SECONDS = 30.0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be fetched: absent or unfinished past the wait, broken, not a
+    drafter checkpoint; the message names it and says what to do."""
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A drafter checkpoint held in the store."""
+    """A drafter checkpoint held in the store (config.json + safetensors, whatever layout it came in)."""
 
-    key: str  # content key: digest of its files
+    key: str  # content key: digest of the files fetched
     path: str  # the checkpoint folder inside the store entry
     source: str  # where it was fetched from
     step: int | None  # training step (storage.checkpoint.training_step, as the relay reads it)
+    layout: str = "hf"  # how the trainer saved it: "hf" or "specforge" (storage.checkpoint)
+    config_source: str = "checkpoint"  # "checkpoint", "run folder" or "--drafter-config <file>"
+
+
+@dataclass(frozen=True)
+class ReadyCheckpoint:
+    """A source whose checkpoint is finished: what fetching it takes, before anything is read."""
+
+    source: str
+    step: int | None
+    layout: str
+    config_source: str | None  # None: it has no config.json; --drafter-config must give one
+    local: CheckpointFiles | None = None  # a folder on this machine ...
+    client: RelayClient | None = None  # ... or a relay, with the manifest of the files to fetch
+    manifest: dict | None = None
 
 
 def is_relay_url(source: str) -> bool:
@@ -52,7 +101,7 @@ def source_step(source: str) -> int | None:
     """The training step of a checkpoint source, before it is fetched (storage.checkpoint)."""
     if is_relay_url(source):
         return step_from_name(urlsplit(source).path)
-    return training_step(local_path(source))
+    return training_step(local_path(source).resolve())
 
 
 def relay_token(token_file: str | None) -> str | None:
@@ -63,37 +112,212 @@ def relay_token(token_file: str | None) -> str | None:
     return os.environ.get(RELAY_TOKEN_ENV) or None
 
 
-@task(name="fetch", cache_policy=NONE, persist_result=False)
-def fetch_checkpoint(source: str, store_root: str, relay_token_file: str | None = None, refresh: bool = False):
-    """The checkpoint in the store: copied (local) or downloaded (relay), verified, unless already there."""
-    store = Store(store_root)
-    if is_relay_url(source):
-        base_url, relay_path = parse_checkpoint_url(source)
-        client = RelayClient(base_url, token=relay_token(relay_token_file))
-        manifest = client.manifest(relay_path)
-        key, step = manifest["key"], manifest["step"]
+def settle_seconds_default() -> float:
+    """`$DFLASH_SETTLE_SECONDS`, else 30 s."""
+    return float(os.environ.get(SETTLE_ENV) or DEFAULT_SETTLE_SECONDS)
 
-        def compute(entry: Path) -> dict:
-            # partial files stay in the entry if this is interrupted: the next run resumes them
-            with StageProgress(STAGE, f"downloading {relay_path}", manifest["total_bytes"]) as progress:
-                client.download(relay_path, entry / CHECKPOINT_DIRNAME, progress=lambda done, total: progress.update(done))
-            return {"files": {f["name"]: f["sha256"] for f in manifest["files"]}, "source": source, "step": step}
+
+class _NotYet(Exception):
+    """The checkpoint is not there (`absent`) or not finished yet."""
+
+    def __init__(self, reason: str, retry_after: float | None = None, absent: bool = False):
+        super().__init__(reason)
+        self.reason, self.retry_after, self.absent = reason, retry_after, absent
+
+
+def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...], settle_seconds: float) -> ReadyCheckpoint:
+    """The source's checkpoint (on `client`'s relay, else local) if it is finished; raises _NotYet while
+    it is absent or being written."""
+    if client is not None:
+        path = parse_checkpoint_url(source)[1]
+        try:
+            manifest = client.manifest(path, include)
+        except RelayError as e:
+            if e.status == 409:
+                raise _NotYet(e.detail or str(e), float(e.headers.get("Retry-After") or 0) or None) from None
+            if e.status == 404:
+                raise _NotYet(f"not on the relay (yet): {e.detail}", absent=True) from None
+            raise CheckpointError(f"drafter {source}: {e}") from None
+        return ReadyCheckpoint(source, manifest.get("step", step_from_name(manifest["path"])),
+                               manifest.get("layout", "hf"), manifest.get("config_source", "checkpoint"),
+                               client=client, manifest=manifest)
+    directory = local_path(source).resolve()  # a run-latest link names the folder it points to
+    if not directory.exists():
+        if not directory.parent.is_dir():  # a run folder exists before its first save: a wrong path
+            raise CheckpointError(f"drafter checkpoint {source} is not a folder, and neither is {directory.parent}: "
+                                  "pass a checkpoint folder or a relay URL http://HOST:PORT/<path>")
+        raise _NotYet(f"no folder {directory} (yet)", absent=True)
+    if not directory.is_dir():
+        raise CheckpointError(f"drafter checkpoint {source} is not a folder: pass a checkpoint folder or a relay URL "
+                              "http://HOST:PORT/<path>")
+    found = checkpoint_files(directory, include)
+    try:
+        pending = not_ready(directory, settle_seconds, found)
+    except CheckpointBroken as e:
+        raise CheckpointError(f"drafter checkpoint {source} is broken: {e}; the save did not complete") from None
+    except NotACheckpoint:  # settled, and still no weights: a run folder, a typo
+        inner = sorted(p.name for p in directory.iterdir() if p.is_dir() and checkpoint_files(p))
+        raise CheckpointError(f"drafter checkpoint {source} holds no drafter weights ({WEIGHTS}, its index, or "
+                              f"SpecForge's {TRAINING_STATE})"
+                              + (f"; its sub-folders {inner[:4]} do: pass one of them" if inner else "")) from None
+    if pending is not None:
+        raise _NotYet(pending)
+    return ReadyCheckpoint(source, training_step(directory), found.layout, found.config_source, local=found)
+
+
+def await_checkpoint(source: str, relay_token_file: str | None = None, include=(), wait_seconds: float | None = None,
+                     settle_seconds: float | None = None) -> ReadyCheckpoint:
+    """Wait until the checkpoint `source` names is finished (at most `wait_seconds`), saying so in the
+    run's logs and a progress artifact; raises CheckpointError when it never appears or never settles."""
+    wait_seconds = DEFAULT_WAIT_SECONDS if wait_seconds is None else wait_seconds
+    settle_seconds = settle_seconds_default() if settle_seconds is None else settle_seconds
+    include = tuple(include or ())
+    client = RelayClient(parse_checkpoint_url(source)[0], token=relay_token(relay_token_file)) if is_relay_url(source) else None
+    started = time.monotonic()
+    progress, last_log, was_absent = None, 0.0, None
+    try:
+        while True:
+            try:
+                ready = _ready_now(source, client, include, settle_seconds)
+            except _NotYet as e:
+                waited = time.monotonic() - started
+                if waited >= wait_seconds:
+                    raise CheckpointError(
+                        f"drafter {source}: {e.reason}; gave up after waiting {waited:.0f} s "
+                        f"(--checkpoint-wait {wait_seconds:g}). Is the trainer still saving it, and is the path right?"
+                    ) from None
+                if progress is None:
+                    progress = StageProgress(STAGE, f"waiting for {source} to be finished", max(1, int(wait_seconds)),
+                                             log_quarters=False)
+                    progress.__enter__()
+                if e.absent != was_absent or waited - last_log >= LOG_EVERY_SECONDS:  # news, or a sign of life
+                    was_absent = e.absent
+                    progress.logger.info(f"waiting for {source}: {e.reason} (waited {waited:.0f} s of at most "
+                                         f"{wait_seconds:g} s)")
+                    last_log = waited
+                progress.update(int(waited))
+                time.sleep(min(e.retry_after or 2.0, max(0.1, wait_seconds - waited)))
+                continue
+            if progress is not None:
+                progress.logger.info(f"{source} is finished after a wait of {time.monotonic() - started:.0f} s")
+            return ready
+    finally:
+        if progress is not None:
+            progress.__exit__(None, None, None)
+
+
+def read_config(ready: ReadyCheckpoint, drafter_config: str | None = None) -> tuple[dict, str]:
+    """(config.json as a dict, where it came from) for a finished checkpoint: its own (or its run
+    folder's), else the `drafter_config` file. Nothing but the config is read."""
+    if ready.config_source is None:
+        if not drafter_config:
+            raise CheckpointError(
+                f"drafter checkpoint {ready.source} has no config.json (layout {ready.layout}), and neither has its "
+                "run folder: pass the drafter config the run trained with, --drafter-config FILE")
+        return _json_file(Path(drafter_config), "--drafter-config"), f"--drafter-config {Path(drafter_config).resolve()}"
+    if ready.local is not None:
+        return _json_file(ready.local.files[CONFIG], ready.source), ready.config_source
+    try:
+        raw = ready.client.read_small_file(ready.manifest["path"], CONFIG, manifest=ready.manifest)
+    except RelayError as e:
+        raise CheckpointError(f"drafter {ready.source}: {e}") from None
+    try:
+        return json.loads(raw), ready.config_source
+    except ValueError as e:
+        raise CheckpointError(f"drafter {ready.source}: config.json is not JSON ({e})") from None
+
+
+def _json_file(path: Path, what: str) -> dict:
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as e:
+        raise CheckpointError(f"{what}: cannot read {path} ({e.strerror or e})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{what}: {path} is not JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{what}: {path} is not a JSON object")
+    return raw
+
+
+def fetched_files(ready: ReadyCheckpoint, drafter_config: str | None, store: Store) -> tuple[dict, str]:
+    """({name: sha256} of the files a fetch of `ready` brings, config included, and where the config
+    comes from). The checkpoint's content key is key_of({"files": ...}) of them. Local files are
+    hashed once (the store's digest cache); a relay's digests come with its manifest."""
+    if ready.local is not None:
+        cache = store.digest_cache()
+        files = {name: cache.sha256(path) for name, path in ready.local.files.items()}
     else:
-        src = local_path(source)
-        digest = directory_digest(src, patterns=CHECKPOINT_FILES, cache=store.digest_cache())
-        key, step = digest.key, training_step(src)
+        files = {f["name"]: f["sha256"] for f in ready.manifest["files"]}
+    if ready.config_source is not None:
+        return files, ready.config_source
+    read_config(ready, drafter_config)  # the clear error when there is none
+    return {**files, CONFIG: file_sha256(drafter_config)}, f"--drafter-config {Path(drafter_config).resolve()}"
 
-        def compute(entry: Path) -> dict:
+
+@task(name="fetch", cache_policy=NONE, persist_result=False)
+def fetch_checkpoint(
+    source: str,
+    store_root: str,
+    relay_token_file: str | None = None,
+    drafter_config: str | None = None,
+    include: list[str] | None = None,
+    wait_seconds: float | None = None,
+    settle_seconds: float | None = None,
+    refresh: bool = False,
+):
+    """The checkpoint in the store: the files evaluation needs, copied (local) or downloaded (relay) and
+    verified, unless already there; a SpecForge payload becomes model.safetensors."""
+    store = Store(store_root)
+    logger = stage_logger()
+    ready = await_checkpoint(source, relay_token_file, include, wait_seconds, settle_seconds)
+    files, config_source = fetched_files(ready, drafter_config, store)
+    if ready.config_source is not None and drafter_config and file_sha256(drafter_config) != files.get(CONFIG):
+        logger.warning(f"--drafter-config {drafter_config} is not used: {source} has its own config.json "
+                       f"({config_source}), which differs from it")
+    logger.info(f"drafter {source}: {ready.layout} layout, config from {config_source}")
+    key = key_of({"files": files})
+
+    def compute(entry: Path) -> dict:
+        destination = entry / CHECKPOINT_DIRNAME
+        destination.mkdir(exist_ok=True)
+        fetched = {n: s for n, s in files.items() if not (n == CONFIG and config_source.startswith("--drafter-config"))}
+        if ready.client is not None:
+            # partial files stay in the entry if this is interrupted: the next run resumes them
+            manifest = dict(ready.manifest, files=[f for f in ready.manifest["files"] if f["name"] in fetched])
+            with StageProgress(STAGE, f"downloading {ready.manifest['path']}", manifest["total_bytes"]) as progress:
+                ready.client.download(manifest["path"], destination, manifest=manifest,
+                                      progress=lambda done, total: progress.update(done))
+        else:
             # A copy, not a link: trainers overwrite files in place, which would change a hard link's content.
-            destination = entry / CHECKPOINT_DIRNAME
-            destination.mkdir(exist_ok=True)
-            for name, sha in digest.files.items():
-                shutil.copyfile(src / name, destination / name)
+            for name, sha in fetched.items():
+                shutil.copyfile(ready.local.files[name], destination / name)
                 if file_sha256(destination / name) != sha:
-                    raise OSError(f"{src / name} changed while it was copied into the store; run again once it is stable")
-            return {"files": digest.files, "source": str(src.resolve()), "step": step}
+                    raise CheckpointError(f"{ready.local.files[name]} changed while it was copied into the store; "
+                                          "run again once the trainer has finished writing it")
+        if config_source.startswith("--drafter-config"):
+            shutil.copyfile(drafter_config, destination / CONFIG)
+        record = {"files": files, "source": source if ready.client else str(ready.local.directory),
+                  "step": ready.step, "layout": ready.layout, "config_source": config_source}
+        if ready.layout == "specforge":
+            record["weights_from"] = _export_payload(destination)
+        return record
 
     record, computed = run_entry(store, STAGE, key, compute, refresh)
     checkpoint = Checkpoint(key=key, path=str(store.entry(STAGE, key) / CHECKPOINT_DIRNAME), source=source,
-                            step=record["step"])
+                            step=record["step"], layout=record.get("layout", "hf"),
+                            config_source=record.get("config_source", "checkpoint"))
     return checkpoint if computed else cached(checkpoint)
+
+
+def _export_payload(destination: Path) -> str:
+    """Write the drafter weights of destination/training_state.pt as model.safetensors and drop the
+    payload (its optimizer state has no place in the store); returns where the weights were."""
+    raw = json.loads((destination / CONFIG).read_text())
+    try:
+        # the mask token shapes no weight: a placeholder id spares resolving a string one without the target
+        config = DrafterConfig.from_dict(raw, str(destination / CONFIG), mask_token_id=0)
+        where = export_drafter_weights(destination / TRAINING_STATE, config, destination / WEIGHTS)
+    except DrafterError as e:
+        raise CheckpointError(f"{TRAINING_STATE}: {e}") from None
+    os.unlink(destination / TRAINING_STATE)
+    return f"{TRAINING_STATE}: {where}"

@@ -10,6 +10,9 @@ import pytest
 os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="dflash-eval-prefect-")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
+# Checkpoints the tests write are finished when written: no 30 s settle wait before fetching them
+# (tests of the settle rule pass their own settle_seconds).
+os.environ["DFLASH_SETTLE_SECONDS"] = "0"
 
 from tests import tiny_models
 

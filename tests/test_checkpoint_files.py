@@ -1,8 +1,22 @@
-"""Training steps read from a checkpoint's files, then its name (storage.checkpoint)."""
+"""What a checkpoint folder holds (storage.checkpoint): the files evaluation takes from each layout,
+whether it is finished, its training step."""
 
 import json
+import os
 
-from storage.checkpoint import step_from_name, training_step
+import pytest
+import torch
+
+from storage.checkpoint import (
+    INDEX,
+    CheckpointBroken,
+    checkpoint_files,
+    not_ready,
+    step_from_name,
+    training_step,
+    weight_file_problem,
+)
+from tests.checkpoints import settle, write_checkpoint
 
 
 def test_step_from_config_trainer_state_then_name(tmp_path):
@@ -22,3 +36,105 @@ def test_step_from_name():
     assert step_from_name("run1/step_1000") == 1000
     assert step_from_name("run1/iter42/") == 42
     assert step_from_name("run7/final") is None
+    assert step_from_name("out/run1-step1500") == 1500  # SpecForge's CheckpointManager
+    assert step_from_name("out/epoch_2_step_3000") == 3000  # SpecForge's older script
+
+
+# ---------------------------------------------------------------- which files evaluation takes
+
+
+def test_a_training_save_yields_only_config_weights_and_step_metadata(tmp_path):
+    folder = write_checkpoint(tmp_path / "checkpoint-500", {
+        "model.safetensors": 1000, "optimizer.pt": 5000, "scheduler.pt": 100, "rng_state_0.pth": 100,
+        "training_args.bin": 100, "trainer_state.json": 50,
+    })
+    (folder / "dflash.py").write_text("# modeling code a trainer copies beside its save")
+    found = checkpoint_files(folder)
+    assert found.layout == "hf" and found.config_source == "checkpoint"
+    assert sorted(found.files) == ["config.json", "model.safetensors", "trainer_state.json"]
+    widened = checkpoint_files(folder, include=["optimizer.*", "*.py"])
+    assert sorted(widened.files) == ["config.json", "dflash.py", "model.safetensors", "optimizer.pt", "trainer_state.json"]
+
+
+def test_a_sharded_save_takes_the_index_and_the_shards_it_names(tmp_path):
+    folder = write_checkpoint(tmp_path / "step_9", {"model-00001-of-00002.safetensors": 200,
+                                                     "model-00002-of-00002.safetensors": 200,
+                                                     "model-00001-of-00003.safetensors": 200})  # stale, unnamed
+    (folder / INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                           "b": "model-00002-of-00002.safetensors"}}))
+    settle(folder)
+    found = checkpoint_files(folder)
+    assert sorted(found.files) == sorted(["config.json", INDEX, "model-00001-of-00002.safetensors",
+                                          "model-00002-of-00002.safetensors"])
+    assert not_ready(folder, settle_seconds=30) is None
+
+
+def test_specforge_run_folders_take_the_payload_and_the_run_config(tmp_path):
+    """SpecForge's CheckpointManager layout: {run_id}-stepN/training_state.pt (+ per-rank files), no config."""
+    run = tmp_path / "out"
+    step = run / "run1-step100"
+    step.mkdir(parents=True)
+    torch.save({"draft_state_dict": {"fc.weight": torch.zeros(2, 2)}, "global_step": 100}, step / "training_state.pt")
+    torch.save({"optimizer": {"state": {}}}, step / "training_state_rank0.pt")
+    settle(step)
+    found = checkpoint_files(step)
+    assert found.layout == "specforge" and sorted(found.files) == ["training_state.pt"]
+    assert found.config_source is None  # nothing says how the drafter is shaped: --drafter-config must
+    (run / "config.json").write_text("{}")
+    found = checkpoint_files(step)
+    assert found.config_source == "run folder" and found.files["config.json"] == run / "config.json"
+    assert not_ready(step, settle_seconds=30) is None
+    assert training_step(step) == 100
+    assert checkpoint_files(run) is None  # the run folder itself holds no weights
+
+
+# ---------------------------------------------------------------- finished or still being written
+
+
+def test_a_folder_is_ready_only_once_settled_and_whole(tmp_path):
+    folder = write_checkpoint(tmp_path / "step_1", {"model.safetensors": 4096}, age=0)
+    assert "changed" in not_ready(folder, settle_seconds=30)  # just written
+    assert not_ready(folder, settle_seconds=0) is None
+    settle(folder)
+    assert not_ready(folder, settle_seconds=30) is None
+    # optimizer state still being written beside finished weights: not ready either
+    (folder / "optimizer.pt").write_bytes(b"x")
+    assert "changed" in not_ready(folder, settle_seconds=30)
+    settle(folder)
+    (folder / ".model.safetensors.tmp").write_bytes(b"x")  # a temporary file of the weights
+    settle(folder)
+    assert "temporary" in not_ready(folder, settle_seconds=30)
+    os.unlink(folder / ".model.safetensors.tmp")
+    with pytest.raises(FileNotFoundError):
+        not_ready(tmp_path / "nope", settle_seconds=0)
+
+
+def test_shards_without_their_index_or_an_index_without_its_shards_are_not_ready(tmp_path):
+    folder = write_checkpoint(tmp_path / "step_2", {"model-00001-of-00002.safetensors": 200})
+    assert "without model.safetensors.index.json" in not_ready(folder, settle_seconds=0)
+    (folder / INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                           "b": "model-00002-of-00002.safetensors"}}))
+    assert "not there yet" in not_ready(folder, settle_seconds=0)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "random", "longer"])
+def test_weights_that_are_not_whole_are_broken_not_pending(tmp_path, damage):
+    folder = write_checkpoint(tmp_path / "step_3", {"model.safetensors": 4096})
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[:3000], "empty": b"", "random": os.urandom(4096),
+                         "longer": data + b"extra"}[damage])
+    settle(folder)
+    assert weight_file_problem(weights)
+    with pytest.raises(CheckpointBroken, match="model.safetensors"):
+        not_ready(folder, settle_seconds=30)
+
+
+def test_a_torch_save_cut_short_is_broken(tmp_path):
+    step = tmp_path / "run1-step7"
+    step.mkdir()
+    torch.save({"draft_state_dict": {"fc.weight": torch.zeros(64, 64)}}, step / "training_state.pt")
+    assert weight_file_problem(step / "training_state.pt") is None
+    data = (step / "training_state.pt").read_bytes()
+    (step / "training_state.pt").write_bytes(data[: len(data) // 2])
+    assert "not a complete torch.save" in weight_file_problem(step / "training_state.pt")

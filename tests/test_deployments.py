@@ -87,7 +87,7 @@ def served(prefect_server, setup):
         serve = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "serve", "--target", str(setup["tiny"].target_dir),
              "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
-             "--relay", relay.url, "--watch-interval", "3600"],
+             "--relay", relay.url, "--watch-interval", "3600", "--settle-seconds", "3"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
         try:
             with client_of(prefect_server) as client:
@@ -255,6 +255,46 @@ def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
     (row,) = [r for g in history(Store(setup["store"])) for r in g.rows if r["step"] == 300]
     assert tau == f"{row['tau_macro']:.3f}"  # the served run's scores, as the store holds them
     assert any(a.key and a.key.endswith("-summary") for a in artifacts)
+
+
+WRITE_AND_NOTIFY = """
+import shutil, subprocess, sys, time
+source, destination, url = sys.argv[1:4]
+shutil.copytree(source, destination, copy_function=shutil.copyfile)  # the trainer's save (new files) ...
+saved = time.monotonic()
+called = time.monotonic() - saved  # ... and its call of `dflash-eval notify` right after
+notify = subprocess.run([sys.executable, "-m", "flows.cli", "notify", "--checkpoint", url, "--step", "400"],
+                        capture_output=True, text=True)
+print(f"notified {called:.2f} s after saving: {notify.stdout.strip()} {notify.stderr.strip()}")
+"""
+
+
+def test_a_checkpoint_notified_as_soon_as_it_is_saved_is_waited_for_and_evaluated(prefect_server, served, setup,
+                                                                                tmp_path):
+    """The trainer saves and notifies at once; the relay answers 409 until the save is 20 s old (the
+    30 s default, shortened), and the evaluation waits for it instead of failing with "no checkpoint"."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    with RelayServer(runs, state_dir=tmp_path / "relay_state", settle_seconds=20) as relay:
+        url = f"{relay.url}/run3/step_400"
+        with client_of(prefect_server) as client:
+            before = {r.id for r in evaluation_runs(client)}
+        writer = subprocess.run([sys.executable, "-c", WRITE_AND_NOTIFY, str(setup["tiny"].drafter_steps[-1]),
+                                 str(runs / "run3" / "step_400"), url],
+                                env={**os.environ, "PREFECT_API_URL": prefect_server["url"]}, capture_output=True,
+                                text=True, timeout=60, cwd=Path(__file__).parent.parent)
+        assert writer.returncode == 0 and "sent dflash.checkpoint.saved" in writer.stdout, writer.stdout + writer.stderr
+        assert float(writer.stdout.split("notified ")[1].split(" s")[0]) < 1.0
+        with client_of(prefect_server) as client:
+            (run,) = wait_for(lambda: [r for r in evaluation_runs(client) if r.id not in before], 90, "the event's flow run")
+            assert run.parameters["drafter"] == url
+            wait_finished(client, [run.id], served["log"])
+            logs = [log.message for log in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id])))]
+    waits = [m for m in logs if m.startswith(f"waiting for {url}")]
+    assert waits and "still being written" in waits[0], "\n".join(logs)
+    assert any(m.startswith(f"{url} is finished after a wait of") for m in logs), logs
 
 
 def test_notify_without_a_server_returns_at_once_with_a_warning(setup):

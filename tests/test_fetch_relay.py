@@ -1,9 +1,13 @@
 """The fetch stage and the command line against a real relay on loopback serving the tiny drafter run."""
 
+import os
+import shutil
+
 import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from storage import Store
 from storage.relay_server import RelayServer
 
 pytestmark = pytest.mark.slow
@@ -72,3 +76,36 @@ def test_a_wrong_token_is_refused_before_anything_is_stored(tiny_qwen3_run, rela
     assert not (tmp_path / "store").exists()
     missing = run(tiny_qwen3_run, f"{relay.url}/step_999", tmp_path / "store", tmp_path, "--relay-token-file", "/nonexistent")
     assert missing.exit_code == 2 and "/nonexistent" in missing.output
+
+
+def test_a_training_save_moves_only_the_drafter_and_scores_like_its_hf_folder(tiny_qwen3_run, tmp_path, prefect_api_url):
+    """A save as HF's Trainer leaves it: the drafter plus 1 GB of optimizer state, RNG and scheduler
+    files. Only config + weights (+ trainer_state.json) cross the relay and enter the store."""
+    import json
+
+    trained = tiny_qwen3_run.drafter_steps[-1]
+    save = tmp_path / "runs" / "run1" / "checkpoint-400"
+    shutil.copytree(trained, save)
+    with open(save / "optimizer.pt", "wb") as f:  # 1 GB, sparse: never read, so never really written
+        f.truncate(1 << 30)
+    for name, size in (("scheduler.pt", 1000), ("rng_state_0.pth", 15000), ("training_args.bin", 5000)):
+        (save / name).write_bytes(os.urandom(size))
+    (save / "trainer_state.json").write_text(json.dumps({"global_step": 400, "log_history": []}))
+    needed = sum((save / n).stat().st_size for n in ("config.json", "model.safetensors", "trainer_state.json"))
+    store = tmp_path / "store"
+    with RelayServer(tmp_path / "runs", state_dir=tmp_path / "relay", settle_seconds=0) as relay:
+        result = run(tiny_qwen3_run, f"{relay.url}/run1/checkpoint-400", store, tmp_path)
+        assert result.exit_code == 0, result.output
+        assert needed <= relay.bytes_sent <= 1.05 * needed
+        assert relay.digests.misses == 3  # the relay hashed the three files it sends, not the optimizer
+    results = json.loads((tmp_path / "results.json").read_text())
+    entry = Store(store).entry("fetch", results["drafter"]["key"])
+    held = sum(p.stat().st_size for p in entry.rglob("*") if p.is_file() and p.name != "entry.json")
+    assert needed <= held <= 1.05 * needed
+    assert results["drafter"]["step"] == 400
+
+    plain = run(tiny_qwen3_run, trained, store, tmp_path)  # the same drafter as a plain HF folder
+    assert plain.exit_code == 0, plain.output
+    hf = json.loads((tmp_path / "results.json").read_text())
+    assert hf["drafter"]["key"] != results["drafter"]["key"]  # trainer_state.json makes it other files ...
+    assert hf["per_prompt"] == results["per_prompt"]  # ... with exactly the same score

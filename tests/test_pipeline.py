@@ -122,10 +122,14 @@ def test_new_checkpoint_runs_only_fetch_drafts_and_scores(tiny, tmp_path, prefec
         assert scored["id"] == prompt["id"]
         assert scored["acceptance_lengths"] == online.acceptance_lengths
 
-    # the same checkpoint again: nothing runs, the same results
-    third, _ = evaluate(tiny, store, step=-1)
+    # the same checkpoint again, with the dtype that --dtype auto resolved to (the tiny target is float32):
+    # nothing runs, the same results
+    assert (second["dtype"], second["dtype_requested"], second["dtype_note"]) == ("float32", "auto", None)
+    third, _ = evaluate(tiny, store, step=-1, dtype="float32")
     assert third["stages"] == dict.fromkeys(STAGES, "cached")
-    assert {k: v for k, v in third.items() if k != "stages"} == {k: v for k, v in second.items() if k != "stages"}
+    assert (third["dtype"], third["dtype_requested"]) == ("float32", "float32")
+    ignored = ("stages", "dtype_requested")
+    assert {k: v for k, v in third.items() if k not in ignored} == {k: v for k, v in second.items() if k not in ignored}
 
 
 def test_progress_of_long_stages_is_published_to_prefect(tiny, tmp_path, prefect_api_url):
@@ -283,6 +287,26 @@ def _config_only(tmp_path, tiny):
     return directory
 
 
+def _headless_target(tmp_path, tiny):
+    """The tiny target (untied) without its lm_head, as a base-model save_pretrained leaves it."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path / "headless"
+    shutil.copytree(tiny.target_dir, directory)
+    tensors = load_file(directory / "model.safetensors")
+    del tensors["lm_head.weight"]
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    return directory
+
+
+def _truncated_weights(tmp_path, tiny) -> Path:
+    directory = tmp_path / "truncated"
+    shutil.copytree(tiny.drafter_steps[-1], directory)
+    with open(directory / "model.safetensors", "r+b") as f:
+        f.truncate(5000)  # past the header (2.4 KB), short of the weights
+    return directory
+
+
 def _bad_prompts(tmp_path, tiny, bad_line):
     lines = tiny.prompts.read_text().splitlines()
     path = tmp_path / "bad.jsonl"
@@ -294,8 +318,12 @@ BAD_INPUTS = {
     # name: (function(tmp_path, tiny) -> {option: value}, what the message must say)
     "missing target": (lambda t, tiny: {"--target": str(t / "nowhere")}, "nowhere is not a directory"),
     "target without config": (lambda t, tiny: {"--target": str(t)}, "no config.json"),
-    "missing drafter": (lambda t, tiny: {"--drafter": str(t / "nowhere")}, "nowhere is not a directory"),
-    "drafter without weights": (lambda t, tiny: {"--drafter": str(_config_only(t, tiny))}, "has no model.safetensors"),
+    "missing drafter": (lambda t, tiny: {"--drafter": str(t / "no_run" / "step_1")}, "step_1 is not a folder, and neither is"),
+    "drafter not saved (yet)": (lambda t, tiny: {"--drafter": str(t / "step_1"), "--checkpoint-wait": "1"},
+                                "step_1 (yet); gave up after waiting 1 s"),
+    "drafter without weights": (lambda t, tiny: {"--drafter": str(_config_only(t, tiny))}, "holds no drafter weights"),
+    "drafter with broken weights": (lambda t, tiny: {"--drafter": str(_truncated_weights(t, tiny))},
+                                    "model.safetensors has 5000 bytes where its header describes"),
     "drafter for another hidden size": (
         lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, hidden_size=128))},
         "hidden_size 128 != target hidden_size"),
@@ -310,7 +338,9 @@ BAD_INPUTS = {
         lambda t, tiny: {"--prompts": str(_bad_prompts(t, tiny, '{"id": "x", "input_ids": [5, 100000]}'))},
         "bad.jsonl:2"),
     "too many new tokens": (lambda t, tiny: {"--max-new-tokens": "100000"}, "exceeds the target's"),
-    "unknown dtype": (lambda t, tiny: {"--dtype": "float16"}, "--dtype must be one of float32, bfloat16"),
+    "unknown dtype": (lambda t, tiny: {"--dtype": "float16"}, "--dtype must be one of auto, float32, bfloat16"),
+    "target saved without its head": (lambda t, tiny: {"--target": str(_headless_target(t, tiny))},
+                                      "under model.* and no lm_head.weight"),
     "sampling temperature": (lambda t, tiny: {"--temperature": "0.7"}, "only greedy decoding (temperature 0)"),
     "malformed reference": (lambda t, tiny: {"--reference": "vllm://host:8000"},
                             "use local, sglang+http://HOST:PORT or openai+http://HOST:PORT/v1"),
@@ -330,7 +360,8 @@ def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case,
                **make_options(tmp_path / "work", tiny)}
     result = CliRunner().invoke(app, ["run", *[x for pair in options.items() for x in pair]])
     assert result.exit_code == 2, result.output
-    assert result.output.startswith("error: ") and message in result.output, result.output
+    last = result.output.strip().splitlines()[-1]  # after what it logged (e.g. waiting for a checkpoint)
+    assert last.startswith("error: ") and message in last, result.output
     assert not (tmp_path / "store").exists()
 
 

@@ -15,23 +15,9 @@ import requests
 from storage.hashing import directory_digest, file_sha256
 from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
 from storage.relay_server import RelayServer
+from tests.checkpoints import settle, write_checkpoint
 
 MB = 1 << 20
-
-
-def write_checkpoint(directory: Path, sizes: dict[str, int], config: dict | None = None, age: float = 120) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config or {"architectures": ["DFlashDraftModel"]}))
-    for name, size in sizes.items():
-        (directory / name).write_bytes(os.urandom(size))
-    settle(directory, age)
-    return directory
-
-
-def settle(directory: Path, age: float = 120) -> None:
-    old = time.time() - age
-    for p in directory.iterdir():
-        os.utime(p, (old, old), follow_symlinks=False)
 
 
 @pytest.fixture
@@ -46,7 +32,7 @@ def tree(tmp_path):
     (root / "run1" / "step_2000" / "model.safetensors.index.json").write_text(json.dumps(index))
     settle(root / "run1" / "step_2000")
     write_checkpoint(root / "run2" / "final", {"model.safetensors": 1000}, config={"step": 77})
-    write_checkpoint(root / "run2" / "nostep", {"model.safetensors": 10})
+    write_checkpoint(root / "run2" / "nostep", {"model.safetensors": 100})
     (root / "run2" / "notes").mkdir()  # not a checkpoint: no config.json / safetensors
     (root / "run2" / "notes" / "a.txt").write_text("x")
     return root
@@ -84,7 +70,10 @@ def test_listing_steps_sizes_and_settling(tree, relay):
     # Being written: fresh files are not listed until settled; an index naming a missing shard neither.
     fresh = write_checkpoint(tree / "run1" / "checkpoint-3000", {"model.safetensors": 100}, age=0)
     assert "run1/checkpoint-3000" not in [c["path"] for c in RelayClient(relay.url).list_checkpoints()]
-    assert get(relay, "/v1/manifest/run1/checkpoint-3000")[0] == 404
+    status, headers, body = get(relay, "/v1/manifest/run1/checkpoint-3000")  # there, but not finished
+    assert status == 409 and int(headers["Retry-After"]) >= 1 and b"still being written" in body
+    assert get(relay, "/v1/files/run1/checkpoint-3000/model.safetensors")[0] == 409
+    assert get(relay, "/v1/manifest/run1/checkpoint-4000")[0] == 404  # not there at all
     settle(fresh)
     listed = {c["path"]: c for c in RelayClient(relay.url).list_checkpoints()}
     assert listed["run1/checkpoint-3000"]["step"] == 3000
@@ -230,7 +219,7 @@ def test_upstream_chaining_serves_and_caches(tree, relay, tmp_path):
 def test_path_traversal_refused(tree, relay, tmp_path):
     secret = tmp_path / "secret.safetensors"
     secret.write_bytes(b"top secret")
-    outside = write_checkpoint(tmp_path / "outside_ckpt", {"model.safetensors": 10})
+    outside = write_checkpoint(tmp_path / "outside_ckpt", {"model.safetensors": 100})
     # A symlinked file and a symlinked directory inside DIR pointing outside it.
     (tree / "run1" / "step_1000" / "leak.safetensors").symlink_to(secret)
     settle(tree / "run1" / "step_1000")
