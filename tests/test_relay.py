@@ -327,3 +327,44 @@ def test_upstream_cut_is_resumed_by_the_middle_relay(tree, relay, tmp_path):
     assert relay.bytes_sent == manifest["total_bytes"]  # resumed upstream, nothing sent twice
     cached = tmp_path / "middle" / "cache" / "run1" / "step_1000" / "model.safetensors"
     assert cached.read_bytes() == data
+
+
+def test_only_what_evaluation_needs_is_hashed_listed_and_sent(tmp_path):
+    """A training save: the relay hashes, lists and sends config + weights + trainer_state.json, never
+    the optimizer, unless a client asks for more with include patterns."""
+    root = tmp_path / "runs"
+    save = write_checkpoint(root / "run1" / "checkpoint-10", {"model.safetensors": MB, "optimizer.pt": 8 * MB,
+                                                              "rng_state_0.pth": 1000, "trainer_state.json": 100})
+    needed = sum((save / n).stat().st_size for n in ("config.json", "model.safetensors", "trainer_state.json"))
+    with RelayServer(root, state_dir=tmp_path / "state", settle_seconds=5) as relay:
+        client = RelayClient(relay.url)
+        (listed,) = client.list_checkpoints()
+        assert listed["total_bytes"] == needed and listed["n_files"] == 3 and listed["layout"] == "hf"
+        manifest = client.manifest("run1/checkpoint-10")
+        assert [f["name"] for f in manifest["files"]] == ["config.json", "model.safetensors", "trainer_state.json"]
+        assert relay.digests.misses == 3  # the optimizer was never read
+        client.download("run1/checkpoint-10", tmp_path / "dest")
+        assert relay.bytes_sent == needed and sorted(p.name for p in (tmp_path / "dest").iterdir()) == \
+            ["config.json", "model.safetensors", "trainer_state.json"]
+
+        wider = client.manifest("run1/checkpoint-10", include=["optimizer.*"])
+        assert [f["name"] for f in wider["files"]] == ["config.json", "model.safetensors", "optimizer.pt", "trainer_state.json"]
+        assert wider["key"] != manifest["key"]  # the key covers exactly the files fetched
+        client.download("run1/checkpoint-10", tmp_path / "dest", manifest=wider)
+        assert relay.bytes_sent == needed + 8 * MB  # only the optimizer more: the rest was there, verified
+        assert (tmp_path / "dest" / "optimizer.pt").read_bytes() == (save / "optimizer.pt").read_bytes()
+        with RelayServer(upstream=relay.url, state_dir=tmp_path / "middle", settle_seconds=5) as middle:
+            through = RelayClient(middle.url).download("run1/checkpoint-10", tmp_path / "through", manifest=wider)
+            assert through["key"] == wider["key"]  # a pull-through relay passes include patterns on
+
+
+def test_broken_weights_answer_422_and_are_not_listed(tree, relay):
+    weights = tree / "run1" / "step_1000" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(MB)
+    settle(tree / "run1" / "step_1000")
+    assert "run1/step_1000" not in [c["path"] for c in RelayClient(relay.url).list_checkpoints()]
+    status, _, body = get(relay, "/v1/manifest/run1/step_1000")
+    assert status == 422 and b"has 1048576 bytes where its header describes" in body
+    with pytest.raises(RelayError, match="HTTP 422.*save did not complete"):
+        RelayClient(relay.url).manifest("run1/step_1000")
