@@ -27,7 +27,7 @@ DTYPE = typer.Option("auto", "--dtype", help="auto (the target checkpoint's own 
                      "float32), float32 or bfloat16: target and drafter compute dtype.")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 SEMANTICS = typer.Option("causal", "--sliding-semantics",
-                         help="Sliding drafter layers: causal (training/serving) or non_causal (z-lab reference).")
+                         help="Sliding drafter layers: causal (training, serving, current z-lab reference) or non_causal (earlier z-lab reference); a config's is_causal overrides it.")
 THINKING = typer.Option(False, "--thinking/--no-thinking", help="enable_thinking in the chat template.")
 REFERENCE = typer.Option("local", "--reference", help="Greedy references from: local (the target here), "
                          "sglang+http://HOST:PORT or openai+http://HOST:PORT/v1.")

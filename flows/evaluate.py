@@ -95,17 +95,17 @@ def check_inputs(
     except (ValueError, OSError) as e:
         raise InputError(f"target {target}: {e}") from None
     try:
-        checkpoint_wait_options = {"relay_token_file": relay_token_file, "include": include,
+        fetch_options = {"relay_token_file": relay_token_file, "include": include,
                                    "wait_seconds": checkpoint_wait, "settle_seconds": settle_seconds}
         tokenizer = target_tokenizer(target)  # resolves a mask token given as a string
         drafter_checkpoint = _read_drafter_source(drafter, tokenizer, drafter_config=drafter_config,
-                                                  **checkpoint_wait_options)
+                                                  **fetch_options)
         check_compatible(drafter_checkpoint, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
     if baseline is not None:
         try:
-            baseline_config = _read_drafter_source(baseline, tokenizer, **checkpoint_wait_options)
+            baseline_config = _read_drafter_source(baseline, tokenizer, **fetch_options)
             check_compatible(baseline_config, target_config.hidden_size, target_config.vocab_size,
                              target_config.num_layers)
         except DrafterError as e:

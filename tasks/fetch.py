@@ -276,11 +276,12 @@ def fetch_checkpoint(
                        f"({config_source}), which differs from it")
     logger.info(f"drafter {source}: {ready.layout} layout, config from {config_source}")
     key = key_of({"files": files})
+    external_config = ready.config_source is None  # the drafter_config file: copied in, not fetched
 
     def compute(entry: Path) -> dict:
         destination = entry / CHECKPOINT_DIRNAME
         destination.mkdir(exist_ok=True)
-        fetched = {n: s for n, s in files.items() if not (n == CONFIG and config_source.startswith("--drafter-config"))}
+        fetched = {n: s for n, s in files.items() if not (external_config and n == CONFIG)}
         if ready.client is not None:
             # partial files stay in the entry if this is interrupted: the next run resumes them
             manifest = dict(ready.manifest, files=[f for f in ready.manifest["files"] if f["name"] in fetched])
@@ -294,8 +295,10 @@ def fetch_checkpoint(
                 if file_sha256(destination / name) != sha:
                     raise CheckpointError(f"{ready.local.files[name]} changed while it was copied into the store; "
                                           "run again once the trainer has finished writing it")
-        if config_source.startswith("--drafter-config"):
+        if external_config:
             shutil.copyfile(drafter_config, destination / CONFIG)
+            if file_sha256(destination / CONFIG) != files[CONFIG]:
+                raise CheckpointError(f"--drafter-config {drafter_config} changed while this run used it; run again")
         record = {"files": files, "source": source if ready.client else str(ready.local.directory),
                   "step": ready.step, "layout": ready.layout, "config_source": config_source}
         if ready.layout == "specforge":
