@@ -15,7 +15,7 @@ from prefect.deployments import run_deployment
 
 from storage import Store, key_of
 from storage.relay_client import RelayClient
-from tasks.fetch import await_checkpoint, fetched_files, relay_token
+from tasks.fetch import CheckpointError, await_checkpoint, fetched_files, relay_token
 
 from .history import history
 
@@ -53,9 +53,13 @@ def watch_relay(
     options = parameters or {}
     for checkpoint in checkpoints:
         # the key the evaluation's fetch will have: its files, and the config it will be given
-        ready = await_checkpoint(f"{base_url}/{checkpoint['path']}", relay_token_file, options.get("include"),
-                                 wait_seconds=0)
-        key = key_of({"files": fetched_files(ready, options.get("drafter_config"), Store(store))[0]})
+        try:
+            ready = await_checkpoint(f"{base_url}/{checkpoint['path']}", relay_token_file, options.get("include"),
+                                     wait_seconds=0)
+            key = key_of({"files": fetched_files(ready, options.get("drafter_config"), Store(store))[0]})
+        except CheckpointError as e:  # gone since the listing (a trainer's rewind), or no config for it
+            logger.warning(f"{checkpoint['path']}: not evaluated: {e}")
+            continue
         if key in done:
             continue
         run_parameters = {**settings, "drafter": f"{base_url}/{checkpoint['path']}"}
