@@ -760,7 +760,8 @@ def check_compatible(
     if not 0 <= cfg.mask_token_id < vocab_size:
         raise DrafterError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target's vocabulary of {vocab_size} tokens")
     if cfg.vocab_size is not None and cfg.vocab_size != vocab_size:
-        warnings.warn(f"drafter config vocab_size {cfg.vocab_size} != target vocab_size {vocab_size}", stacklevel=2)
+        raise DrafterError(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {vocab_size}: this drafter was "
+                           "trained for another target (its embedding and head are the target's, row for row)")
     if num_layers is None:
         return
     bad = [i for i in cfg.target_layer_ids if i >= num_layers]

@@ -327,6 +327,8 @@ BAD_INPUTS = {
     "drafter for another hidden size": (
         lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, hidden_size=128))},
         "hidden_size 128 != target hidden_size"),
+    "drafter for another vocabulary": (lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, vocab_size=1000))},
+                                       "drafter vocab_size 1000 != target vocab_size 512"),
     "drafter layer ids past the target": (
         lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, dflash_config={"target_layer_ids": [1, 9],
                                                                                 "mask_token_id": 3}))},
