@@ -13,6 +13,9 @@ os.environ["PREFECT_LOGGING_LEVEL"] = "WARNING"
 # Checkpoints the tests write are finished when written: no 30 s settle wait before fetching them
 # (tests of the settle rule pass their own settle_seconds).
 os.environ["DFLASH_SETTLE_SECONDS"] = "0"
+# Rich wraps CLI error panels at the terminal width (80 when there is none), which splits messages
+# holding long temp paths mid-phrase; tests read whole messages.
+os.environ["TERMINAL_WIDTH"] = "1000"
 
 from tests import tiny_models
 
