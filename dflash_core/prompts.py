@@ -250,6 +250,8 @@ def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | N
         data = path.read_bytes()
     except FileNotFoundError:
         raise PromptError(f"{path}: prompt file not found; check the path") from None
+    except IsADirectoryError:
+        raise PromptError(f"{path} is a directory, not a prompt file; give the JSONL file in it") from None
     except OSError as error:
         raise PromptError(f"{path}: cannot read the prompt file: {error}") from error
     prompts: list[Prompt] = []
@@ -347,6 +349,9 @@ def resolve_prompts(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise PromptError(f"{name_or_path} is a directory, not a prompt file; give the JSONL file in it (or a suite: "
+                          f"{', '.join(PROMPT_SUITES)})")
     raise PromptError(
         f"{name_or_path}: no such prompt file, and not a prompt suite; give a path to a JSONL file or one of "
         f"the suites: {', '.join(PROMPT_SUITES)}"

@@ -17,6 +17,12 @@ errors, timeouts and 5xx answers; a 4xx answer is a clear error at once (retryin
 Before any work, `check_matches` compares the server's tokenizer with the target's on a probe
 prompt, and the server's model identity becomes part of the references' key.
 
+What a server reports about itself is a name: restarted with other weights at the same path it
+reports the same identity. `fingerprint` is what its model does instead: its tokenization of the
+probe text and its greedy continuations of a few fixed probe prompts. The references stage stores it
+when it begins an entry and takes it again on resume and before commit, so references of two models
+are never mixed in one entry.
+
 API keys: a server started with `--api-key` (SGLang, vLLM) answers 401 `{"error": "Unauthorized"}`
 to a request without `Authorization: Bearer <key>`. The key comes from a file
 (`--reference-api-key-file FILE`) or from $DFLASH_REFERENCE_API_KEY, never from a flow parameter
@@ -44,10 +50,19 @@ HOW_TO_PASS_KEY = f"pass the key with --reference-api-key-file FILE (a file hold
 # a thread pool, so every tokenizer call made on their behalf holds this lock.
 TOKENIZER_LOCK = threading.Lock()
 PROBE_TEXT = "Speculative decoding drafts 8 tokens; the target verifies them: def f(x): return x ** 2 # ünïcödé"
+# The fingerprint's probe prompts: text, encoded with the target's tokenizer, so any model takes them
+# (code, prose, digits). 16 greedy tokens each, eos ignored: a few dozen tokens, next to a references
+# run's thousands, and long enough that two models of one tokenizer rarely agree on all of them.
+FINGERPRINT_TEXTS = ("def fingerprint(model):\n    return", "The quick brown fox jumps over", "1, 2, 3, 5, 8, 13,")
+FINGERPRINT_TOKENS = 16
 
 
 class BackendError(RuntimeError):
     """A reference server that cannot be used: unreachable, refusing, or serving another model."""
+
+
+class ServerModelChanged(BackendError):
+    """A reference server's fingerprint differs from the one taken when the references entry was begun."""
 
 
 def reference_api_key(key_file: str | None) -> str | None:
@@ -177,6 +192,33 @@ class HTTPBackend:
             )
         if vocab_size and max(expected) >= vocab_size:
             raise BackendError(f"probe ids reach {max(expected)}, beyond the target's vocabulary of {vocab_size}")
+
+    def fingerprint(self) -> dict:
+        """What the served model does, not what it is called: its tokenization of the probe text and
+        its greedy continuations (ids, FINGERPRINT_TOKENS each, eos ignored) of FINGERPRINT_TEXTS.
+
+        The same weights give the same fingerprint; other weights under the same name and path almost
+        surely do not. Costs one /tokenize and len(FINGERPRINT_TEXTS) short generation requests, sent
+        one after another (nothing else of this client in flight to batch them with)."""
+        with TOKENIZER_LOCK:
+            prompts = [self.tokenizer.encode(text, add_special_tokens=False) for text in FINGERPRINT_TEXTS]
+        return {"tokenizer_probe": self.tokenize(PROBE_TEXT),
+                "continuations": [self.generate(ids, FINGERPRINT_TOKENS, []).token_ids for ids in prompts]}
+
+
+def fingerprint_difference(before: dict, now: dict) -> str | None:
+    """None when two fingerprints (HTTPBackend.fingerprint) agree, else what differs, for a message."""
+    if before.get("tokenizer_probe") != now.get("tokenizer_probe"):
+        return "it tokenizes the probe text differently"
+    for k, (a, b) in enumerate(zip(before.get("continuations", []), now.get("continuations", []))):
+        if a != b:
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            text = f" {FINGERPRINT_TEXTS[k]!r}" if k < len(FINGERPRINT_TEXTS) else ""
+            return (f"its greedy continuation of probe prompt {k + 1}{text} differs from token {at} on "
+                    f"(ids {a[at:at + 4]} before, {b[at:at + 4]} now)")
+    if before != now:
+        return "its probe answers differ"
+    return None
 
 
 class SGLangBackend(HTTPBackend):

@@ -35,6 +35,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import is_accelerate_available
 
 from .token_head import INDEX_FILE, SINGLE_FILE, TextWeights, find_text_weights, load_token_head
@@ -331,6 +332,16 @@ def checkpoint_dtype(path) -> str | None:
     return None
 
 
+def _auto_config(path: Path) -> PretrainedConfig:
+    """AutoConfig.from_pretrained, with a config field of the wrong type (e.g. "hidden_size": "64") raised as a
+    ValueError naming the file and the field (transformers 5 validates fields strictly, with its own exception)."""
+    try:
+        return AutoConfig.from_pretrained(path)
+    except StrictDataclassError as e:
+        cause = e.__cause__ or e
+        raise ValueError(f"{path / 'config.json'}: {cause}".replace("\n", " ")) from None
+
+
 def read_target_config(path) -> TargetConfig:
     """Read a target checkpoint's text config (and stop tokens) to check inputs before any work.
 
@@ -342,7 +353,7 @@ def read_target_config(path) -> TargetConfig:
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); pass the target checkpoint folder")
     if (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file():
         find_text_weights(path)
-    config = AutoConfig.from_pretrained(path)
+    config = _auto_config(path)
     text = config.get_text_config(decoder=True)
     eos = None
     try:

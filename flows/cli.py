@@ -1,9 +1,16 @@
 """The `dflash-eval` command line."""
 
+import errno
 import json
 import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -55,8 +62,13 @@ SETTLE_SECONDS = typer.Option(30.0, "--settle-seconds", envvar="DFLASH_SETTLE_SE
 def _evaluate(**kwargs) -> dict:
     """Check the inputs (one clear error, nothing written), then run the flow."""
     from flows.evaluate import InputError, check_inputs, evaluate_checkpoint
+    from flows.local_server import tie_local_server
     from dflash_core.drafter import DrafterError
+    from dflash_core.reference_backends import BackendError
+    from tasks.fetch import CheckpointError
 
+    if problem := _store_problem(kwargs.get("store")):
+        _fail(problem)
     try:
         check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
                      kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"],
@@ -65,10 +77,21 @@ def _evaluate(**kwargs) -> dict:
                      reference_api_key_file=kwargs.get("reference_api_key_file"),
                      drafter_config=kwargs.get("drafter_config"), include=kwargs.get("include"),
                      checkpoint_wait=kwargs.get("checkpoint_wait"), settle_seconds=kwargs.get("settle_seconds"))
-        return evaluate_checkpoint(**kwargs)
-    except (InputError, DrafterError) as e:
+        if problem := _store_write_problem(_store_root(kwargs.get("store"))):
+            _fail(problem)
+        tie_local_server()  # after the checks: bad input costs no server start-up
+        # errors handled below get one line, so Prefect's console tracebacks of them are left out
+        explained = (InputError, DrafterError, CheckpointError, BackendError)
+        with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or _storage_full(e)):
+            return evaluate_checkpoint(**kwargs)
+    # CheckpointError: fetch refused what it got; BackendError: a reference server failed, refused or changed
+    except (InputError, DrafterError, CheckpointError, BackendError) as e:
         typer.secho(f"error: {e}", err=True, fg="red")
         raise typer.Exit(2) from None
+    except OSError as e:
+        if not _storage_full(e):
+            raise
+        _fail(_storage_full_message(e, _store_root(kwargs.get("store"))))
 
 
 def _print_results(results: dict) -> None:
@@ -130,10 +153,144 @@ def _checkpoint_options(drafter_config: str | None, include: list[str] | None, c
 
 
 def _write(results: dict | list, out: Path | None) -> None:
-    if out is not None:
+    if out is None:
+        return
+    try:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=1))
-        typer.echo(f"results: {out}")
+    except OSError as e:  # checked up front; what is left: the disk filled, or someone changed the folder meanwhile
+        stored = ("; the results are in the store: the same command with another --out writes them without "
+                  "recomputing anything") if isinstance(results, dict) and "store" in results else ""
+        _fail(f"cannot write {out}: {e.strerror}{stored}")
+    typer.echo(f"results: {out}")
+
+
+# errno -> what happened, for a write that failed for want of room
+STORAGE_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+                errno.EFBIG: "file size limit (ulimit -f) reached"}
+
+
+def _storage_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in STORAGE_FULL
+
+
+@contextmanager
+def _console_tracebacks_hidden(explained: Callable[[BaseException], bool]) -> Iterator[None]:
+    """Prefect logs a failed task's and flow's traceback on the console; for an error this command explains in
+    one line, the console shows Prefect's one-line summaries only. The run logs keep the tracebacks: Prefect's
+    API handler (prefect.flow_runs, prefect.task_runs) formats a record before the root logger's console
+    handler, where this filter sits, sees it."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    def drop_traceback(record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and explained(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    for handler in consoles:
+        handler.addFilter(drop_traceback)
+    try:
+        yield
+    finally:
+        for handler in consoles:
+            handler.removeFilter(drop_traceback)
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """One line on stderr, and the exit code (2: bad input or a condition the user must fix; nothing half done)."""
+    typer.secho(f"error: {message}", err=True, fg="red")
+    raise typer.Exit(code)
+
+
+def _store_root(store: str | None) -> Path:
+    from storage import Store
+
+    return Store(store).root.absolute()
+
+
+def _writable_problem(path: Path, folder: bool) -> str | None:
+    """Why this command could not create and fill `path` (a folder) or write it (a file), or None. Only reads:
+    bad input leaves nothing behind. os.access also answers for root on a read-only filesystem (EROFS)."""
+    path = Path(path).absolute()
+    try:
+        for found in (path, *path.parents):  # the nearest part of the path that exists
+            try:
+                mode = found.stat().st_mode
+                break
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+    except OSError as e:  # EACCES: a folder above it cannot be searched
+        return f"{path} cannot be reached ({e.strerror})"
+    if found != path:
+        if not stat.S_ISDIR(mode):
+            return f"{path} cannot be created: {found} is a file, not a folder"
+        if not os.access(found, os.W_OK | os.X_OK):
+            return f"{path} cannot be created: {found} is not writable (permissions, or a read-only filesystem)"
+        return None
+    if folder and not stat.S_ISDIR(mode):
+        return f"{path} is a file, not a folder"
+    if not folder and stat.S_ISDIR(mode):
+        return f"{path} is a folder; give a file name"
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK if folder else os.W_OK):
+        what = "readable and writable" if folder else "writable"
+        return f"{path} is not {what} (permissions, or a read-only filesystem)"
+    return None
+
+
+def _store_problem(store: str | None) -> str | None:
+    """Why the store cannot be used (read, created, written), or None."""
+    problem = _writable_problem(_store_root(store), folder=True)
+    return f"--store: {problem}" if problem else None
+
+
+def _store_write_problem(root: Path) -> str | None:
+    """Why the store cannot be created or written, found by trying (with the inputs known good, the flow would
+    create it next): what os.access cannot tell, e.g. for root, a folder that refuses new entries (/proc)."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):  # O_TMPFILE: never has a name in the store
+            pass
+    except OSError as e:
+        return f"--store: {root} cannot be created or written ({e.strerror})"
+    return None
+
+
+def _check_out(out: Path | None, folder: bool = False) -> None:
+    """Refuse an --out that could not be written, before any work (else the results are lost at the end)."""
+    if out is not None and (problem := _writable_problem(out, folder)):
+        _fail(f"--out: {problem}")
+
+
+def _storage_full_message(e: OSError, store_root: Path) -> str:
+    """What filled up, and what the store holds now (entries are committed atomically, so it is consistent)."""
+    written = e.filename2 or e.filename  # shutil's copies name the destination second
+    entry = _newest_incomplete_entry(store_root)
+    place = Path(written) if written else entry or store_root
+    message = f"{STORAGE_FULL[e.errno]} while writing {place}"
+    if e.errno != errno.EFBIG:
+        try:
+            free = shutil.disk_usage(next(p for p in (place, *place.parents) if p.exists())).free
+            message += f" ({free / 1e6:.1f} MB free on its filesystem)"
+        except (OSError, StopIteration):
+            pass
+    resumed = (f"the {entry.parent.parent.name} entry being written ({entry.name[:12]}) is incomplete and the next run "
+               "resumes it" if entry else "the next run resumes where this one stopped")
+    return (f"{message}. The store {store_root} is consistent: every entry completed so far is kept and nothing "
+            f"incomplete reads as complete; {resumed}. Free some space (or use another --store) and run the same "
+            "command again")
+
+
+def _newest_incomplete_entry(store_root: Path) -> Path | None:
+    """The most recently created store entry without its completion marker (layout: storage/store.py)."""
+    try:
+        entries = [p for p in store_root.glob("*/*/*") if len(p.name) == 64 and p.is_dir()
+                   and not (p / "entry.json").exists()]
+        return max(entries, key=lambda p: p.stat().st_mtime, default=None)
+    except OSError:
+        return None
 
 
 @app.command()
@@ -156,6 +313,7 @@ def run(
     Example: dflash-eval run --target runs/tiny/target --drafter runs/tiny/drafter/step_400
     --prompts runs/tiny/prompts.jsonl --out results.json
     """
+    _check_out(out)
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
                         reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
@@ -185,6 +343,7 @@ def stage(
 
     if name not in STAGES:
         raise typer.BadParameter(f"one of {', '.join(STAGES)}, got {name!r}", param_hint="NAME")
+    _check_out(out)
     results = _evaluate(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens, store=store,
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
                         reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
@@ -204,6 +363,7 @@ def demo(
     step through the full flow, print tau per step. No server, no GPU, no downloads."""
     from dflash_core.tiny_build import default_cache_root, tiny_run
 
+    _check_out(out, folder=True)
     tiny = tiny_run(default_cache_root(), log=typer.echo)
     typer.echo(f"tiny run: {tiny.root}")
     rows = []
@@ -390,6 +550,38 @@ def report_command(
     typer.echo(f"markdown: {html_path.with_name('report.md')}")
 
 
+@app.command("verify")
+def verify_command(
+    store: str = STORE,
+    repair: bool = typer.Option(False, "--repair", help="Remove what is damaged or stale (entry markers, damaged "
+                                "files, damaged feature arrays), so that the next run recomputes exactly that."),
+):
+    """Check every entry of the store: its entry.json, the sha256 of every file and of every feature array,
+    chunk files, JSON that parses, and whether it was built on content that has changed since (stale).
+    Prints each problem as `stage/key: what: why`; exits 1 if there is any, 0 if the store is clean.
+    Reads every byte of the store (features included).
+
+    Example: dflash-eval verify --store .dflash-store --repair
+    """
+    from storage import Store
+    from storage.integrity import verify_store
+
+    report = verify_store(Store(store), repair=repair)
+    for problem in report.problems:
+        typer.echo(str(problem))
+    for name in report.incomplete:
+        typer.echo(f"incomplete {name}: no entry.json (an interrupted run; the next run resumes it)")
+    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {Store(store).root}: "
+               f"{len(report.problems)} problems")
+    if repair and report.repaired:
+        typer.echo(f"repaired: removed {len(report.repaired)} damaged or stale items; the next run recomputes "
+                   "exactly these")
+    for name in report.busy:
+        typer.echo(f"not repaired {name}: another run is writing it; verify again when it is done")
+    if report.problems:
+        raise typer.Exit(1)
+
+
 def _token(token_file: str | None) -> str | None:
     if token_file is None:
         return None
@@ -413,6 +605,12 @@ def relay_serve(
                                          "changed for this long (trainers write no completion marker)."),
     max_rate_mb: float = typer.Option(None, "--max-rate-mb", help="Cap on MB/s sent over all downloads together "
                                       "(leave bandwidth to a trainer on the same link); default no cap."),
+    max_connections: int = typer.Option(128, "--max-connections", help="Connections served at once; more get "
+                                        "503 + Retry-After (one thread each, so this bounds the threads)."),
+    max_connections_per_client: int = typer.Option(32, "--max-connections-per-client",
+                                                   help="Connections served at once from one address (IPv6: one /64)."),
+    request_timeout: float = typer.Option(30, "--request-timeout", help="Seconds a request may take to arrive whole, "
+                                          "and an idle keep-alive connection stays open."),
 ):
     """Serve the checkpoints under ROOT over HTTP: Hugging Face folders (config.json + safetensors) and
     SpecForge saves, at any depth; only the files evaluation needs are hashed and sent.
@@ -431,7 +629,9 @@ def relay_serve(
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     relay = RelayServer(root, host=host, port=port, token=_token(token_file), upstream=upstream,
                         upstream_token=_token(upstream_token_file), state_dir=state_dir or DEFAULT_STATE_DIR,
-                        settle_seconds=settle_seconds, max_rate=max_rate_mb * 1e6 if max_rate_mb else None)
+                        settle_seconds=settle_seconds, max_rate=max_rate_mb * 1e6 if max_rate_mb else None,
+                        max_connections=max_connections, max_connections_per_client=max_connections_per_client,
+                        request_timeout=request_timeout)
     typer.echo(f"relay listening on {relay.url}")
     try:
         relay.serve_forever()

@@ -29,6 +29,7 @@ from dflash_core.target import read_target_config
 from flows.artifacts import publish
 from flows.history import BASELINES
 from storage import Store, read_json
+from storage.checkpoint import weight_file_problem
 from storage.relay_client import RelayError
 from tasks.diagnostics import diagnose, layers_needed
 from tasks.drafts import draft
@@ -36,7 +37,7 @@ from tasks.features import extract_target_features
 from tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, await_checkpoint, fetch_checkpoint, read_config, source_step
 from tasks.references import generate_references, load_prompts
 from tasks.scores import score
-from tasks.stage import run_entry
+from tasks.stage import refusals_fail_cleanly, run_entry
 from tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
 
 STAGES = ("fetch", "references", "features", "drafts", "scores", "diagnostics")
@@ -90,6 +91,12 @@ def check_inputs(
         raise InputError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     if not Path(target).is_dir():
         raise InputError(f"target {target} is not a directory: pass a Hugging Face model folder")
+    # a weight file cut short (an interrupted copy, a full disk) would otherwise fail only once the target loads,
+    # after the store was written to; only headers are read (safetensors' own reader raises
+    # its own exception type on such a file)
+    for weights in sorted(Path(target).glob("*.safetensors")):
+        if problem := weight_file_problem(weights):
+            raise InputError(f"target {target}: {problem}; copy the checkpoint again")
     try:
         target_config = read_target_config(target)
     except (ValueError, OSError) as e:
@@ -160,6 +167,7 @@ def _run_name() -> str:
 
 
 @flow(name="evaluate-checkpoint", flow_run_name=_run_name, persist_result=False)
+@refusals_fail_cleanly(InputError, CheckpointError)
 def evaluate_checkpoint(
     target: str,
     drafter: str,

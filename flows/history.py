@@ -9,13 +9,19 @@ the best checkpoint of an earlier step (bootstrap over prompts, dflash_core.metr
 without a step is never flagged, as its place among the steps is unknown. Baseline drafters (a
 `baselines` entry holds their checkpoint key, written by `dflash-eval run --baseline`) are rows of
 their own, after the others: never the best, never a regression.
+
+A damaged scores entry is skipped with a warning naming it (storage.store removes what is damaged; the
+next run recomputes it), and so is a stale one (its drafts were recomputed with another content since:
+the next run scores them again); one whose drafts or checkpoint entry is gone is skipped silently.
 """
 
+import warnings
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from storage import EntryMissing, Store, read_json
+from storage import CorruptEntryWarning, EntryMissing, Store, read_json
+from storage.integrity import StaleEntryWarning, stale_upstream
 
 BASELINES = "baselines"  # store stage: one entry per checkpoint key scored as a baseline
 _NEVER = datetime.min.replace(tzinfo=timezone.utc)  # a scores entry without a readable commit time sorts first
@@ -50,12 +56,22 @@ def history(store: Store) -> list[Group]:
     groups: dict[tuple[str, str], Group] = {}
     for key in store.keys("scores"):
         try:
-            scores = read_json(store.entry("scores", key) / "scores.json")
-            drafts_key = store.read_record("scores", key)["drafts"]
-            drafts = store.read_record("drafts", drafts_key)
-            fetch = store.read_record("fetch", drafts["checkpoint"])
+            entry = store.read_entry("scores", key)  # verifies scores.json (a damaged one is warned about)
+            drafts_key = entry.record["drafts"]
+            # records only: their files (drafts.json, weights) are not read here, and a run verifies them
+            drafts = store.read_record("drafts", drafts_key, verify=False)
+            fetch = store.read_record("fetch", drafts["checkpoint"], verify=False)
             scored_at = store.committed_at("scores", key)
-        except EntryMissing:  # its drafts or checkpoint entry was deleted: nothing to say which step it was
+            scores = read_json(store.entry("scores", key) / "scores.json")
+        except EntryMissing:  # it, its drafts or its checkpoint entry was deleted or damaged: nothing to show
+            continue
+        except (OSError, ValueError, KeyError) as e:  # removed meanwhile, or not in this format
+            warnings.warn(f"history: skipping scores/{key}: {e!r}", CorruptEntryWarning, stacklevel=2)
+            continue
+        changed = stale_upstream(store, entry)
+        if changed:
+            warnings.warn(f"history: skipping scores/{key}: stale, built on {', '.join(changed)}, whose content "
+                          "has changed since; the next run scores it again", StaleEntryWarning, stacklevel=2)
             continue
         group_key = (drafts["features"], drafts["sliding_semantics"])
         if group_key not in groups:
@@ -118,7 +134,9 @@ def find_group(groups: list[Group], scores_key: str) -> tuple[Group, dict] | Non
 
 def _title(store: Store, features_key: str, sliding_semantics: str) -> str:
     try:
-        references = store.read_record("references", store.read_record("features", features_key)["references"])
+        # a title only: records, no files read
+        references_key = store.read_record("features", features_key, verify=False)["references"]
+        references = store.read_record("references", references_key, verify=False)
     except (EntryMissing, KeyError):
         return f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
     target = Path(references.get("target", "")).name or "target"  # entries from before it was recorded

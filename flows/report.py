@@ -126,10 +126,10 @@ def _diagnostics_by_checkpoint(store: Store) -> dict[tuple[str, str, str], dict]
     found: dict[tuple[str, str, str], tuple[float, dict]] = {}
     for key in store.keys(DIAGNOSTICS):
         path = store.entry(DIAGNOSTICS, key) / "diagnostics.json"
-        try:
-            drafts = store.read_record("drafts", store.read_record(DIAGNOSTICS, key)["drafts"])
+        try:  # the diagnostics record first: reading it verifies diagnostics.json (a damaged one is warned about)
+            drafts = store.read_record("drafts", store.read_record(DIAGNOSTICS, key)["drafts"], verify=False)
             written, report = path.stat().st_mtime, read_json(path)
-        except (EntryMissing, KeyError, FileNotFoundError):  # removed meanwhile, or not in this format
+        except (EntryMissing, KeyError, OSError, ValueError):  # removed meanwhile, damaged, or not in this format
             continue
         checkpoint = (drafts["features"], drafts["sliding_semantics"], drafts["checkpoint"])
         if checkpoint not in found or written > found[checkpoint][0]:

@@ -32,6 +32,8 @@ array without its marker. Rewriting an array clears the marker first.
 import hashlib
 import json
 import os
+import re
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -42,6 +44,8 @@ import torch
 import zarr
 import zarr.errors
 import zarr.storage
+
+from .hashing import key_of
 
 FEATURES_DIRNAME = "features.zarr"
 MARKER_FORMAT = 1
@@ -204,6 +208,12 @@ class FeatureStore:
             old = zarr.open_array(self._zarr_store, path=path, mode="r+")
         except (zarr.errors.NodeNotFoundError, zarr.errors.ContainsGroupError):
             return
+        except (ValueError, TypeError, KeyError):  # damaged metadata: without it nothing reads as complete
+            try:
+                os.unlink(self.path / path / "zarr.json")
+            except FileNotFoundError:
+                pass
+            return
         if old.attrs.get("complete") is not False:
             old.update_attributes({"complete": False})
 
@@ -272,13 +282,67 @@ class FeatureStore:
                 raise FeatureMissing(layer_id, seq_index, f"chunk {i} is missing or short ({n_read} of {len(rows)} bytes)")
         return out
 
-    def has(self, layer_id: int, seq_index: int) -> bool:
-        """Whether (layer, sequence) is stored completely (marker present; bytes not re-hashed)."""
+    def _check_chunk_files(self, layer_id: int, seq_index: int, metadata: dict[str, Any]) -> None:
+        """FeatureMissing unless every chunk file of the layout `write` produces is there at full size:
+        a stat per chunk, so `missing` finds a lost or truncated chunk without reading any data."""
+        shape = metadata["shape"]
+        chunk_rows, chunk_width = metadata["chunk_grid"]["configuration"]["chunk_shape"]
+        if not (metadata.get("codecs") == _PLAIN_CODECS and metadata.get("chunk_key_encoding") == _DEFAULT_CHUNK_KEYS
+                and chunk_width == shape[1]):
+            return  # another layout: its chunks are checked when read
+        row_bytes = shape[1] * np.dtype(metadata["data_type"]).itemsize
+        directory = self.path / _array_path(layer_id, seq_index) / "c"
+        for i, first in enumerate(range(0, shape[0], chunk_rows)):
+            expected = min(chunk_rows, shape[0] - first) * row_bytes
+            try:
+                size = os.stat(directory / str(i) / "0").st_size
+            except (FileNotFoundError, NotADirectoryError):
+                size = None
+            # the last chunk is stored at full chunk size (uncompressed), so at least `expected` bytes
+            if size is None or size < expected:
+                raise FeatureMissing(layer_id, seq_index, f"chunk {i} is missing or short "
+                                     f"({size or 0} of {expected} bytes)")
+
+    def why_missing(self, layer_id: int, seq_index: int) -> str | None:
+        """None when (layer, sequence) is stored completely (see `has`), else why not."""
         try:
-            self._read_marker(layer_id, seq_index)
-        except FeatureMissing:
-            return False
-        return True
+            metadata, _, _ = self._read_marker(layer_id, seq_index)
+            self._check_chunk_files(layer_id, seq_index, metadata)
+        except FeatureMissing as e:
+            return e.reason
+        return None
+
+    def has(self, layer_id: int, seq_index: int) -> bool:
+        """Whether (layer, sequence) is stored completely: marker present and every chunk file there at
+        full size (bytes not re-hashed: `read_layer(verify=True)` does that)."""
+        return self.why_missing(layer_id, seq_index) is None
+
+    def digest(self, layer_ids: Sequence[int], n_sequences: int) -> str:
+        """The content digest of layers `layer_ids` for sequences 0..n_sequences-1: a key of the sha256
+        each array's marker holds (markers only, no data read). What a drafts entry records as the
+        features it was built from. Raises `FeatureMissing` for an array not stored completely."""
+        digests = {}
+        for layer_id in layer_ids:
+            for seq_index in range(n_sequences):
+                _, marker, _ = self._read_marker(layer_id, seq_index)
+                digests[_array_path(layer_id, seq_index)] = marker.get("sha256")
+        return key_of(digests)
+
+    def arrays(self) -> list[tuple[int, int]]:
+        """(layer id, sequence index) of every array folder present, complete or not (sorted)."""
+        found = []
+        for path in self.path.glob("layer_*/seq_*"):
+            layer, seq = re.fullmatch(r"layer_(\d+)", path.parent.name), re.fullmatch(r"seq_(\d+)", path.name)
+            if layer and seq and path.is_dir():
+                found.append((int(layer.group(1)), int(seq.group(1))))
+        return sorted(found)
+
+    def discard(self, layer_id: int, seq_index: int) -> None:
+        """Delete the array of (layer, sequence), marker first, so that `missing` lists it again and the
+        features stage extracts it again."""
+        path = _array_path(layer_id, seq_index)
+        self._clear_marker(path)
+        shutil.rmtree(self.path / path, ignore_errors=True)
 
     def missing(self, layer_ids: Sequence[int], n_sequences: int) -> list[tuple[int, int]]:
         """(layer id, sequence index) pairs not stored completely, for sequences 0..n_sequences-1.
@@ -297,8 +361,9 @@ class FeatureStore:
         """
         metadata, marker, identity = self._read_marker(layer_id, seq_index)
         stored = self._read_chunks(layer_id, seq_index, metadata)
-        if verify and _sha256_of(np.ascontiguousarray(stored)) != marker["sha256"]:
-            raise FeatureMissing(layer_id, seq_index, "corrupt: stored bytes do not match the marker's sha256")
+        if verify and _sha256_of(np.ascontiguousarray(stored)) != marker.get("sha256"):
+            raise FeatureMissing(layer_id, seq_index, "corrupt: stored bytes do not match the marker's sha256"
+                                 if "sha256" in marker else "unverifiable: the marker holds no sha256")
         # A concurrent rewrite replaces the metadata (clearing the marker) before touching chunks;
         # if it is not the file we started with, what we read may mix two versions.
         if self._read_marker(layer_id, seq_index)[2] != identity:

@@ -6,8 +6,9 @@
     client.download("run1/step_1000", dest)    # every file verified into dest/, returns the manifest
 
 `download` writes each file to `dest/.partial/<name>`, resumes an existing partial file with a
-Range request, verifies its sha256 and only then renames it to `dest/<name>`: `dest/<name>` is
-always a complete, verified file. A killed or failed download is resumed by running it again.
+Range request (a resume refused with 416 starts the file over), verifies its sha256 and only then
+renames it to `dest/<name>`: `dest/<name>` is always a complete, verified file. A busy relay's 503
+and other 5xx answers are retried with backoff. A killed or failed download is resumed by running it again.
 The caller moves the finished directory into place (the `.partial/` folder is empty then).
 
 Imports neither Prefect nor dflash_core.
@@ -202,16 +203,14 @@ class RelayClient:
     def _sleep(self, failures: int) -> None:
         time.sleep(self.backoff * (2 ** (failures - 1)))
 
-    def _get_json(self, url: str, what: str, path: str | None, timeout: float) -> Any:
+    def _get(self, url: str, what: str, path: str | None, timeout: float) -> requests.Response:
+        """GET `url`, retrying transient failures (connection, timeout, 5xx such as a busy relay's 503)."""
         failures = 0
         while True:
             try:
                 response = self._session.get(url, timeout=(self.timeout, timeout))
                 self._raise_for(response, what, path)
-                try:
-                    return response.json()
-                except ValueError as e:
-                    raise RelayError(f"{what}: {self.base_url} answered with something that is not JSON ({e})")
+                return response
             except (requests.ConnectionError, requests.Timeout, _Retry) as e:
                 failures += 1
                 if failures > self.retries:
@@ -220,6 +219,13 @@ class RelayClient:
                         "check that the relay runs and the URL"
                     ) from e
                 self._sleep(failures)
+
+    def _get_json(self, url: str, what: str, path: str | None, timeout: float) -> Any:
+        response = self._get(url, what, path, timeout)
+        try:
+            return response.json()
+        except ValueError as e:
+            raise RelayError(f"{what}: {self.base_url} answered with something that is not JSON ({e})")
 
     def list_checkpoints(self) -> list[dict]:
         """The relay's settled checkpoints: [{"path", "step", "total_bytes", "n_files"}], sorted by path."""
@@ -252,8 +258,7 @@ class RelayClient:
             raise RelayError(f"checkpoint {path} on {self.base_url} has no {name}")
         if entry["size"] > max_bytes:
             raise RelayError(f"{name} of {path} is {entry['size']} bytes, more than {max_bytes} to read into memory")
-        response = self._session.get(self._url("files", manifest["path"], name), timeout=(self.timeout, self.timeout))
-        self._raise_for(response, f"reading {name} of {path}", path)
+        response = self._get(self._url("files", manifest["path"], name), f"reading {name} of {path}", path, self.timeout)
         if hashlib.sha256(response.content).hexdigest() != entry["sha256"]:
             raise RelayError(f"{name} of {path} from {self.base_url} does not match its manifest sha256")
         return response.content
@@ -354,6 +359,8 @@ class RelayClient:
             nonlocal hasher, hashed
             if hashed != have:  # resumed from bytes this call did not receive: hash them from disk
                 hasher, hashed = hashlib.sha256(), 0
+                if not have:  # starting over (a 200 after a 416): the partial file may be gone
+                    return
                 with open(partial, "rb") as f:
                     while hashed < have:
                         block = f.read(min(1 << 20, have - hashed))

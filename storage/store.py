@@ -12,11 +12,23 @@ On-disk layout (root = `Store(root)`, default `$DFLASH_STORE`, else `./.dflash-s
             ...                      references.json, scores.json
             entry.json               the record, written LAST (atomically): the completion marker
 
-`entry.json` holds `{"format": 1, "stage", "key", "committed_at", "record"}`; only
-`record` is the stage's. An entry without `entry.json` is incomplete: its files may
-be partial (a killed writer) and are kept only so that a rerun can resume (the
-feature store resumes per array). A corrupt `entry.json` is warned about, removed
-and treated as a miss.
+`entry.json` holds `{"format": 1, "stage", "key", "committed_at", "record", "files", "content",
+"upstream", "checksum"}`; only `record` is the stage's. The rest is written by `commit`:
+
+- `files`: {path relative to the entry: {"size", "sha256"}} of every file the stage wrote, except
+  subtrees that carry their own digests (`skip`, e.g. features.zarr: one sha256 per array marker);
+- `content`: the digest of `files`, what entries built on this one record as its content;
+- `upstream`: {label: content digest} of what the entry was built from (given by the stage); a reader
+  that finds another content there now treats the entry as stale (tasks/stage.py);
+- `checksum`: sha256 of record, files, content and upstream, so a flipped digit in a record is caught.
+
+An entry without `entry.json` is incomplete: its files may be partial (a killed writer) and are
+kept only so that a rerun can resume (the feature store resumes per array). A damaged entry (a
+corrupt `entry.json`, or a file that no longer matches its digest) is warned about, its marker and
+its damaged files are removed, and it is treated as a miss: the next run recomputes exactly what
+was removed. Reads check the files of up to `VERIFY_ON_READ_BYTES` by sha256 and larger ones by
+size (`read_entry(full=True)` and `dflash-eval verify` hash every file). Entries committed before
+digests were recorded (no `files`) are read as before, their top-level JSON files parse-checked.
 
 Keys are sha256 hex digests (see `hashing.key_of`); stage names are lowercase
 identifiers. Both are validated, so no argument can escape the root.
@@ -30,19 +42,24 @@ import re
 import shutil
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .hashing import DigestCache
-from .records import write_json_atomic
+from .hashing import DigestCache, file_sha256, key_of
+from .records import PARTIAL_SUFFIX, write_json_atomic
 
 STORE_ENV = "DFLASH_STORE"
 DEFAULT_ROOT = ".dflash-store"
 MARKER_NAME = "entry.json"
 MARKER_FORMAT = 1
+# Files up to this size are hashed on every read (all records: scores.json, drafts.json, seq_*.json are
+# KBs to MBs, hashed at ~1 GB/s); larger ones (checkpoint weights) are checked by size, and hashed in
+# full by read_entry(full=True) (the drafts stage, before it loads the weights) and `dflash-eval verify`.
+VERIFY_ON_READ_BYTES = 16 << 20
 
 _STAGE_RE = re.compile(r"[a-z][a-z0-9_-]*")
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
@@ -59,7 +76,32 @@ class EntryMissing(LookupError):
 
 
 class CorruptEntryWarning(UserWarning):
-    """An `entry.json` could not be read as a record; it was removed and the entry counts as a miss."""
+    """A damaged entry (an unreadable `entry.json`, or files that no longer match their digests): its
+    marker and damaged files were removed and the entry counts as a miss."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """One thing wrong with an entry: `path` relative to the entry (`entry.json` for the marker)."""
+
+    path: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A committed entry, as its `entry.json` describes it."""
+
+    stage: str
+    key: str
+    record: dict[str, Any]
+    files: dict[str, dict[str, Any]] | None  # None: committed before digests were recorded
+    content: str | None  # digest of `files`; None as for files
+    upstream: dict[str, str] | None  # content digests of what it was built from; None: not recorded
+    committed_at: str | None
 
 
 class LockTimeout(TimeoutError):
@@ -107,13 +149,73 @@ class Store:
 
     # ------------------------------------------------------------ reading
 
-    def read_record(self, stage: str, key: str) -> dict[str, Any]:
-        """The record committed for (stage, key).
+    def read_entry(self, stage: str, key: str, *, verify: bool = True, full: bool = False) -> Entry:
+        """The committed entry (stage, key), its files checked against their digests.
 
-        Raises `EntryMissing` when the entry is absent or incomplete. A corrupt
-        `entry.json` (not JSON, wrong shape, another entry's stage/key) is warned about
-        (`CorruptEntryWarning`), removed, and also raises `EntryMissing`.
+        verify: files up to VERIFY_ON_READ_BYTES are hashed, larger ones checked by size; full: every
+        file is hashed. Raises `EntryMissing` when the entry is absent or incomplete. A damaged entry
+        (corrupt `entry.json`; a file missing, resized or changed) is warned about
+        (`CorruptEntryWarning`, naming the entry and what is wrong), its marker and damaged files are
+        removed (so a resuming stage recomputes exactly those), and it also raises `EntryMissing`.
         """
+        entry, damage, identity = self._inspect(stage, key, verify=verify or full, full=full)
+        if not damage:
+            return entry
+        reasons = "; ".join(str(d) for d in damage)
+        warnings.warn(f"{stage}/{key} is corrupt ({reasons}): removed, it counts as a miss and will be recomputed",
+                      CorruptEntryWarning, stacklevel=2)
+        self._discard(stage, key, damage, identity)
+        raise EntryMissing(stage, key, f"damaged, removed ({reasons})")
+
+    def read_record(self, stage: str, key: str, *, verify: bool = True) -> dict[str, Any]:
+        """The record committed for (stage, key): `read_entry(stage, key, verify=verify).record`.
+
+        Raises `EntryMissing` when the entry is absent, incomplete or damaged (a damaged one is
+        warned about and removed, see `read_entry`).
+        """
+        return self.read_entry(stage, key, verify=verify).record
+
+    def check(self, stage: str, key: str, *, full: bool = True) -> tuple[Entry | None, list[Damage]]:
+        """(entry, what is damaged) without changing anything; entry is None when `entry.json` itself
+        is damaged. Raises `EntryMissing` when the entry is absent or incomplete."""
+        entry, damage, _ = self._inspect(stage, key, verify=True, full=full)
+        return entry, damage
+
+    def discard(self, stage: str, key: str, damage: Sequence[Damage]) -> None:
+        """Remove the marker of (stage, key) and the damaged files `check` found, so the next run
+        recomputes them (a stage that resumes, as references do per prompt, recomputes only those)."""
+        try:
+            identity = os.stat(self._marker(stage, key)).st_ino
+        except FileNotFoundError:
+            return
+        self._discard(stage, key, damage, identity)
+
+    def content(self, stage: str, key: str) -> str | None:
+        """The content digest recorded for (stage, key) (None for an entry committed before digests were
+        recorded). Reads the marker only; raises `EntryMissing` as `read_entry` does."""
+        return self.read_entry(stage, key, verify=False).content
+
+    def committed_at(self, stage: str, key: str) -> datetime | None:
+        """When (stage, key) was committed (entry.json's `committed_at`, UTC), None if the marker holds no
+        readable time (written by hand); raises `EntryMissing` as `read_record` does. A recomputed entry
+        (refresh) has the time of its last commit."""
+        committed = self.read_entry(stage, key, verify=False).committed_at
+        try:
+            when = datetime.fromisoformat(committed)
+        except (TypeError, ValueError):
+            return None
+        return when if when.tzinfo else when.replace(tzinfo=timezone.utc)  # comparable with every other time
+
+    def is_complete(self, stage: str, key: str) -> bool:
+        """Whether (stage, key) is committed and undamaged (a damaged one is removed, with a warning)."""
+        try:
+            self.read_entry(stage, key)
+        except EntryMissing:
+            return False
+        return True
+
+    def _inspect(self, stage: str, key: str, verify: bool, full: bool) -> tuple[Entry | None, list[Damage], int]:
+        # (entry, damage, inode of the marker read): the inode lets a remover leave a newer marker alone
         marker = self._marker(stage, key)
         try:
             with open(marker, "rb") as f:
@@ -122,37 +224,25 @@ class Store:
         except FileNotFoundError:
             reason = "incomplete (no entry.json)" if marker.parent.is_dir() else "absent"
             raise EntryMissing(stage, key, reason) from None
-        problem, record = _parse_marker(raw, stage, key)
-        if problem is None:
-            return record
-        warnings.warn(
-            f"removing corrupt {marker}: {problem}; treating the entry as a miss", CorruptEntryWarning, stacklevel=2
-        )
-        _unlink_if_same_file(marker, identity)
-        raise EntryMissing(stage, key, f"corrupt entry.json removed ({problem})")
+        problem, entry = _parse_marker(raw, stage, key)
+        if problem is not None:
+            return None, [Damage(MARKER_NAME, problem)], identity
+        damage = _file_damage(marker.parent, entry.files, full) if verify else []
+        return entry, damage, identity
 
-    def committed_at(self, stage: str, key: str) -> datetime | None:
-        """When (stage, key) was committed (entry.json's `committed_at`, UTC), None if the marker holds no
-        readable time (written by hand); raises `EntryMissing` as `read_record` does. A recomputed entry
-        (refresh) has the time of its last commit."""
-        self.read_record(stage, key)  # a missing or corrupt marker is handled there
-        try:
-            committed = json.loads(self._marker(stage, key).read_bytes()).get("committed_at")
-        except FileNotFoundError:  # removed since
-            raise EntryMissing(stage, key, "absent") from None
-        try:
-            when = datetime.fromisoformat(committed)
-        except (TypeError, ValueError):
-            return None
-        return when if when.tzinfo else when.replace(tzinfo=timezone.utc)  # comparable with every other time
-
-    def is_complete(self, stage: str, key: str) -> bool:
-        """Whether (stage, key) has a valid `entry.json` (a corrupt one is removed, with a warning)."""
-        try:
-            self.read_record(stage, key)
-        except EntryMissing:
-            return False
-        return True
+    def _discard(self, stage: str, key: str, damage: Sequence[Damage], identity: int) -> None:
+        # Marker first (nothing reads as complete), then the damaged files. Only if the marker is still
+        # the one that was checked: a writer that began since removed it (begin) and its new files are
+        # not damaged. The remaining window is tiny and costs at most a recomputation.
+        directory = self.entry(stage, key)
+        if not _unlink_if_same_file(directory / MARKER_NAME, identity):
+            return
+        for d in damage:
+            if d.path != MARKER_NAME:
+                try:
+                    os.unlink(directory / d.path)
+                except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                    pass
 
     def keys(self, stage: str) -> list[str]:
         """Keys of the complete entries of `stage` (sorted; validity of entry.json not checked)."""
@@ -184,17 +274,29 @@ class Store:
             pass
         return directory
 
-    def commit(self, stage: str, key: str, record: dict[str, Any]) -> Path:
+    def commit(
+        self, stage: str, key: str, record: dict[str, Any], *, upstream: dict[str, str] | None = None,
+        skip: Sequence[str] = (),
+    ) -> Path:
         """Write `entry.json` holding `record` atomically, marking the entry complete.
 
-        Call it after every other file of the entry is written: a reader treats the
-        entry as complete from the moment the rename lands. Returns the entry directory.
+        Call it after every other file of the entry is written: a reader treats the entry as complete
+        from the moment the rename lands. The entry's files are hashed here (`files`, `content`),
+        except the top-level folders named in `skip` (which carry digests of their own) and partial
+        files; `upstream` ({label: content digest} of what the entry was built from) is recorded
+        as given. Returns the entry directory.
         """
         if not isinstance(record, dict):
             raise TypeError(f"record must be a dict (a JSON object), got {type(record).__name__}")
         directory = self.entry(stage, key)
         if not directory.is_dir():
             raise FileNotFoundError(f"entry {stage}/{key} was not begun: {directory} does not exist")
+        files = _digest_files(directory, skip)
+        sealed = {"record": record, "files": files, "content": _content_digest(files)}
+        if upstream is not None:
+            sealed["upstream"] = dict(upstream)
+        # normalized through JSON, so the checksum is computed on exactly what a reader parses back
+        sealed = json.loads(json.dumps(sealed, allow_nan=False))
         write_json_atomic(
             directory / MARKER_NAME,
             {
@@ -203,7 +305,8 @@ class Store:
                 "key": key,
                 # microseconds: history orders checkpoints without a training step by it
                 "committed_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-                "record": record,
+                **sealed,
+                "checksum": key_of(sealed),
             },
             indent=1,
         )
@@ -274,31 +377,98 @@ class Store:
             return record
 
 
-def _parse_marker(raw: bytes, stage: str, key: str) -> tuple[str | None, dict[str, Any]]:
-    # Returns (problem, record): problem is None for a valid marker of this very entry.
+def _parse_marker(raw: bytes, stage: str, key: str) -> tuple[str | None, Entry | None]:
+    # Returns (problem, entry): problem is None for a valid marker of this very entry.
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"not JSON ({e})", {}
+        return f"not JSON ({e})", None
     if not isinstance(data, dict) or not isinstance(data.get("record"), dict):
-        return "no 'record' object", {}
+        return "no 'record' object", None
     if data.get("format") != MARKER_FORMAT:
-        return f"unknown format {data.get('format')!r}", {}
+        return f"unknown format {data.get('format')!r}", None
     if (data.get("stage"), data.get("key")) != (stage, key):
         # A directory copied or renamed by hand: its content belongs to another key.
-        return f"belongs to {data.get('stage')}/{data.get('key')}", {}
-    return None, data["record"]
+        return f"belongs to {data.get('stage')}/{data.get('key')}", None
+    files, upstream = data.get("files"), data.get("upstream")
+    if "checksum" in data:
+        sealed = {name: data[name] for name in ("record", "files", "content", "upstream") if name in data}
+        try:
+            intact = key_of(sealed) == data["checksum"]
+        except (TypeError, ValueError):
+            intact = False
+        if not intact:
+            return "checksum mismatch (the record or its digests changed since commit)", None
+        if not isinstance(files, dict) or not all(
+            isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)
+            and not Path(name).is_absolute() and ".." not in Path(name).parts  # damaged files are deleted
+            for name, f in files.items()
+        ):
+            return "malformed 'files'", None
+    elif files is not None:
+        return "digests without a checksum", None
+    return None, Entry(stage, key, data["record"], files, data.get("content"),
+                       upstream if isinstance(upstream, dict) else None, data.get("committed_at"))
 
 
-def _unlink_if_same_file(path: Path, inode: int) -> None:
-    # Between reading a corrupt marker and removing it, a writer may have committed a good one
+def _digest_files(directory: Path, skip: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of the files under directory, but the marker, partial files
+    (temporary files, the relay's .partial/ folder) and the top-level folders in `skip`."""
+    files = {}
+    for folder, subdirs, names in os.walk(directory):
+        relative = Path(folder).relative_to(directory)
+        subdirs[:] = sorted(d for d in subdirs if not d.endswith(PARTIAL_SUFFIX)
+                            and not (relative == Path(".") and d in skip))
+        for name in sorted(names):
+            if name.endswith(PARTIAL_SUFFIX) or (relative == Path(".") and name == MARKER_NAME):
+                continue
+            path = Path(folder) / name
+            files[(relative / name).as_posix()] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
+    return files
+
+
+def _content_digest(files: dict[str, dict[str, Any]]) -> str:
+    return key_of({path: f["sha256"] for path, f in files.items()})
+
+
+def _file_damage(directory: Path, files: dict[str, dict[str, Any]] | None, full: bool) -> list[Damage]:
+    """What no longer matches the digests recorded at commit; for an entry committed before digests
+    were recorded, its top-level JSON files that do not parse."""
+    if files is None:
+        damage = []
+        for path in sorted(directory.glob("*.json")):
+            if path.name != MARKER_NAME:
+                try:
+                    json.loads(path.read_bytes().decode("utf-8"))
+                except (UnicodeDecodeError, ValueError) as e:
+                    damage.append(Damage(path.name, f"not JSON ({e})"))
+        return damage
+    damage = []
+    for name, recorded in files.items():
+        path = directory / name
+        try:
+            size = path.stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            damage.append(Damage(name, "missing"))
+            continue
+        if size != recorded["size"]:
+            damage.append(Damage(name, f"{size} bytes, {recorded['size']} at commit"))
+        elif (full or size <= VERIFY_ON_READ_BYTES) and file_sha256(path) != recorded["sha256"]:
+            damage.append(Damage(name, "sha256 differs from the one recorded at commit"))
+    return damage
+
+
+def _unlink_if_same_file(path: Path, inode: int) -> bool:
+    # Between reading a damaged marker and removing it, a writer may have committed a good one
     # (os.replace gives it a new inode): leave that one alone. The remaining window is tiny and
-    # costs at most a recomputation, never a wrong result.
+    # costs at most a recomputation, never a wrong result. True if it was removed.
     try:
         if os.stat(path).st_ino == inode:
             os.unlink(path)
+            return True
     except FileNotFoundError:
         pass
+    return False
 
 
 def _flock_exclusive(lock_file, lock_path: Path, timeout: float | None) -> None:

@@ -9,16 +9,16 @@ from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
 from dflash_core.diagnostics import DEFAULT_OFFSETS, Variant, diagnostic_variants, first_divergences, variant_features
-from dflash_core.drafter import SLIDING_SEMANTICS, load_drafter
+from dflash_core.drafter import SLIDING_SEMANTICS, load_drafter, read_drafter_config
 from dflash_core.metrics import PromptScore, tau_macro
 from dflash_core.replay import ReplayResult, replay
 from dflash_core.target import read_target_config
 from dflash_core.token_head import load_token_head
 from storage import Store, key_of, read_json, write_json_atomic
-from storage.feature_store import FeatureStore
+from storage.integrity import entry_label, features_label, upstream_digests
 
-from .drafts import PROMPTS_PER_GROUP, Drafts
-from .features import FeatureSet
+from .drafts import PROMPTS_PER_GROUP, Drafts, verify_checkpoint
+from .features import FeatureReader, FeatureSet
 from .fetch import Checkpoint
 from .heavy import heavy
 from .progress import StageProgress
@@ -68,6 +68,7 @@ def diagnose(
                   "diagnostics": DIAGNOSTICS_VERSION})
 
     def compute(entry: Path) -> dict:
+        verify_checkpoint(store, checkpoint)
         semantics = drafts.sliding_semantics
         drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=semantics,
                               tokenizer=target_tokenizer(target_dir))
@@ -86,7 +87,7 @@ def diagnose(
         # the unmodified decode steps are the drafts stage's: not replayed again
         unmodified = [ReplayResult(d["starts"], d["acceptance_lengths"], d["rejected_drafts"])
                       for d in read_json(Path(drafts.path) / "drafts.json")["per_prompt"]]
-        feature_store = FeatureStore.in_entry(features.path)
+        feature_reader = FeatureReader(features, refs, target_dir, store_root, dtype, device)
         needed = layers_needed(ids, num_layers)
         results: dict[str, list[ReplayResult]] = {v.name: [] for v in variants}
         switched_results, examples = [], []
@@ -95,7 +96,7 @@ def diagnose(
                 group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
                 by_layer = []
                 for n in group:
-                    held = feature_store.read(needed, n).to(device)  # [L, T, H]
+                    held = feature_reader.read(needed, n).to(device)  # [L, T, H]
                     by_layer.append({layer: held[k] for k, layer in enumerate(needed)})
                 references = [items[n].reference for n in group]
                 drafter_inputs = [variant_features(Variant("unmodified", ids), f) for f in by_layer]
@@ -133,6 +134,13 @@ def diagnose(
         write_json_atomic(entry / "diagnostics.json", report, indent=1)
         return {"drafts": drafts.key, "scores": scores.key}
 
-    _, computed = run_entry(store, STAGE, key, heavy(compute), refresh)
+    # what it is built from; the layers it reads are layers_needed of the drafter's ids, as in compute
+    ids = read_drafter_config(checkpoint.path, tokenizer=target_tokenizer(target_dir)).target_layer_ids
+    needed = layers_needed(ids, read_target_config(target_dir).num_layers)
+    labels = [entry_label("drafts", drafts.key), entry_label("scores", scores.key),
+              entry_label("fetch", checkpoint.key), entry_label("references", refs.key),
+              features_label(features.key, needed, features.n)]
+    _, computed = run_entry(store, STAGE, key, heavy(compute), refresh,
+                            upstream=lambda: upstream_digests(store, labels))
     diagnostics = Diagnostics(key=key, path=str(store.entry(STAGE, key) / "diagnostics.json"))
     return diagnostics if computed else cached(diagnostics)

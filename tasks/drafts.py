@@ -1,4 +1,10 @@
-"""Drafts stage: replay greedy speculative decoding of a drafter checkpoint over the cached features."""
+"""Drafts stage: replay greedy speculative decoding of a drafter checkpoint over the cached features.
+
+What it reads is verified: the checkpoint's files against the digests recorded when it was fetched
+(every byte, before the weights are loaded), each feature array against its sha256 (FeatureReader:
+a damaged one is extracted again). The entry records the content digests of the checkpoint, the
+references and the feature arrays it read; when one of them changes, the drafts are recomputed.
+"""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,10 +16,10 @@ from prefect.cache_policies import NONE
 from dflash_core.drafter import check_compatible, load_drafter, read_drafter_config
 from dflash_core.replay import replay
 from dflash_core.token_head import load_token_head
-from storage import Store, key_of, write_json_atomic
-from storage.feature_store import FeatureStore
+from storage import EntryMissing, Store, key_of, write_json_atomic
+from storage.integrity import entry_label, features_label, upstream_digests
 
-from .features import FeatureSet
+from .features import FeatureReader, FeatureSet
 from .fetch import Checkpoint
 from .heavy import heavy
 from .progress import StageProgress
@@ -63,20 +69,21 @@ def draft(
     })
 
     def compute(entry: Path) -> dict:
+        verify_checkpoint(store, checkpoint)
         drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=sliding_semantics,
                                tokenizer=tokenizer)
         head = load_token_head(target_dir, dtype=DTYPES[dtype])
         check_compatible(drafter, head.embed_weight.shape[1], head.embed_weight.shape[0])
         embed, lm_head = head.embed_weight.to(device), head.head_weight.to(device)
         items = load_references(refs)
-        feature_store = FeatureStore.in_entry(features.path)
+        feature_reader = FeatureReader(features, refs, target_dir, store_root, dtype, device)
         results = []
         # Groups of prompts: only one group's features are in memory (a large target's are ~100 MB
         # per prompt), and a group still fills replay's batches of 64 blocks.
         with StageProgress(STAGE, "prompts drafted", len(items)) as progress:
             for start in range(0, len(items), PROMPTS_PER_GROUP):
                 group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
-                feats = [feature_store.read(drafter.target_layer_ids, n).to(device) for n in group]
+                feats = [feature_reader.read(drafter.target_layer_ids, n).to(device) for n in group]
                 results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats,
                                   all_positions=all_positions)
                 progress.update(len(results))
@@ -88,7 +95,25 @@ def draft(
         return {"checkpoint": checkpoint.key, "features": features.key, "block_size": drafter.block_size,
                 "sliding_semantics": sliding_semantics, "layer_ids": list(drafter.target_layer_ids)}
 
-    record, computed = run_entry(store, STAGE, key, heavy(compute), refresh)
+    labels = [entry_label("fetch", checkpoint.key), entry_label("references", refs.key),
+              features_label(features.key, config.target_layer_ids, features.n)]
+    record, computed = run_entry(store, STAGE, key, heavy(compute), refresh,
+                                 upstream=lambda: upstream_digests(store, labels))
     drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record["block_size"],
                     sliding_semantics=record["sliding_semantics"])
     return drafts if computed else cached(drafts)
+
+
+class CheckpointDamaged(RuntimeError):
+    """The fetched checkpoint no longer matches its digests; it was removed, the next run fetches it again."""
+
+
+def verify_checkpoint(store: Store, checkpoint: Checkpoint) -> None:
+    """Hash every file of the checkpoint's fetch entry against the digests recorded at its commit (the
+    weights are about to be read whole anyway: ~1 s per GB). A damaged entry is removed (with a warning
+    naming it) and CheckpointDamaged raised: this run cannot fetch it, the next one does."""
+    try:
+        store.read_entry("fetch", checkpoint.key, full=True)
+    except EntryMissing as e:
+        raise CheckpointDamaged(f"the drafter checkpoint fetch/{checkpoint.key} ({checkpoint.source}) cannot be "
+                                f"used: {e.reason}; run again to fetch it again") from None

@@ -2,8 +2,14 @@
 
 One entry per (target, references, dtype) holds every layer extracted so far: a checkpoint that
 needs other layer ids extracts only the (layer, sequence) arrays not yet held. Each array has its own
-completion marker (storage.feature_store), which is the truth about what is held: a killed run, or
-a deleted sequence, is resumed by extracting exactly the missing arrays.
+completion marker (storage.feature_store), which is the truth about what is held: a killed run, a
+deleted sequence or a lost chunk is resumed by extracting exactly the missing arrays.
+
+The stages that replay from the features read them through `FeatureReader`: every array is checked
+against the sha256 in its marker as it is read (VERIFY_READS; benchmarks/bench_verify.py measures the
+cost), and a damaged one is reported and extracted again, so changed bytes never change a tau. The
+entry records the content digest of the references it was extracted from; references recomputed
+with another content make it stale, and it is extracted again.
 """
 
 from dataclasses import dataclass
@@ -13,19 +19,23 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.features import extract_features, length_sorted_batches
-from storage import Store, key_of
-from storage.feature_store import FeatureStore
+from storage import EntryMissing, Store, key_of
+from storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
+from storage.integrity import entry_label, upstream_digests
 
 from .heavy import heavy_stage
-from .progress import StageProgress
+from .progress import StageProgress, stage_logger
 from .references import ReferenceSet, load_references
-from .stage import cached
+from .stage import cached, report_refresh, stale_labels, warn_stale
 from .target import loaded_target, target_key
 
 STAGE = "features"
 # Bump when extraction changes what it stores (part of the key).
 EXTRACTOR_VERSION = 1
 BATCH_SIZE = 8
+# Hash every array the drafts and diagnostics stages read (about 1% of the drafts stage on CPU, weights
+# hashing aside: benchmarks/bench_verify.py); a mismatch is extracted again instead of drafted from.
+VERIFY_READS = True
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,8 @@ def extract_target_features(
     device: str = "cpu",
     refresh: bool = False,
 ):
-    """Extract the hidden states of `layer_ids` that the store does not hold yet."""
+    """Extract the hidden states of `layer_ids` that the store does not hold yet (absent, incomplete,
+    or with a lost or short chunk: each such array is named in the log)."""
     store = Store(store_root)
     key = key_of({
         "target": target_key(target_dir, store), "references": refs.key, "dtype": dtype,
@@ -56,23 +67,106 @@ def extract_target_features(
     })
     entry = store.entry(STAGE, key)
     features = FeatureSet(key=key, path=str(entry), layer_ids=tuple(layer_ids), n=refs.n)
-    if not refresh and store.is_complete(STAGE, key) and not FeatureStore.in_entry(entry).missing(layer_ids, refs.n):
+    feature_store = FeatureStore.in_entry(entry)
+    upstream = upstream_digests(store, [entry_label("references", refs.key)])
+    if not refresh and _fresh(store, key, upstream) and not feature_store.missing(layer_ids, refs.n):
         return cached(features)
 
     with store.lock(STAGE, key):
-        if refresh:
+        try:
+            old = store.read_entry(STAGE, key)
+        except EntryMissing:
+            old = None
+        stale = stale_labels(old, upstream) if old is not None else []
+        if stale:  # extracted from references that have another content now: nothing of it is kept
+            warn_stale(STAGE, key, stale)
+        compared = [i for i in layer_ids if old is not None and i in old.record["layer_ids"]]
+        old_digest = _digest(feature_store, compared, refs.n) if refresh and compared else None
+        if refresh or stale:
             store.remove(STAGE, key)
-        held = store.read_record(STAGE, key)["layer_ids"] if store.is_complete(STAGE, key) else []
+        held = old.record["layer_ids"] if old is not None and not (refresh or stale) else []
         store.begin(STAGE, key)
-        feature_store = FeatureStore.in_entry(entry)
         missing = feature_store.missing(layer_ids, refs.n)
+        lost = [(layer, n) for layer, n in missing if layer in held]  # the committed entry said it held them
+        if lost:
+            reasons = [f"layer_{layer}/seq_{n}: {feature_store.why_missing(layer, n) or 'absent'}"
+                       for layer, n in lost[:5]]
+            stage_logger().warning(f"{STAGE}/{key} is damaged: {len(lost)} arrays missing or damaged "
+                                   f"({'; '.join(reasons)}{'; ...' if len(lost) > 5 else ''}): extracting them again")
         if missing:
             with heavy_stage():
                 _extract(target_dir, refs, missing, feature_store, dtype, device)
         store.commit(STAGE, key, {
             "layer_ids": sorted(set(held) | set(layer_ids)), "n": refs.n, "references": refs.key, "dtype": dtype,
-        })
+        }, upstream=upstream, skip=(FEATURES_DIRNAME,))
+        if old_digest is not None:
+            report_refresh(STAGE, key, old_digest, _digest(feature_store, compared, refs.n))
     return features if missing else cached(features)
+
+
+def _fresh(store: Store, key: str, upstream: dict) -> bool:
+    """Whether the features entry is committed, undamaged and built on the references' current content."""
+    try:
+        return not stale_labels(store.read_entry(STAGE, key), upstream)
+    except EntryMissing:
+        return False
+
+
+def _digest(feature_store: FeatureStore, layer_ids, n: int) -> str | None:
+    try:
+        return feature_store.digest(layer_ids, n)
+    except FeatureMissing:
+        return None
+
+
+class FeatureReader:
+    """Reads of a features entry for a stage that replays from it (drafts, diagnostics).
+
+    Every array is verified against the sha256 in its marker (VERIFY_READS). One that is damaged
+    (changed bytes, a lost or short chunk, no marker) is named in the log and extracted again from the
+    target, under the entry's lock, in the batch it was first extracted in (so bit for bit as before),
+    then read again: the replay never sees damaged features and never fails for good on them.
+    """
+
+    def __init__(self, features: FeatureSet, refs: ReferenceSet, target_dir: str, store_root: str,
+                 dtype: str, device: str):
+        self.features, self.refs, self.target_dir = features, refs, target_dir
+        self.store, self.dtype, self.device = Store(store_root), dtype, device
+        self.feature_store = FeatureStore.in_entry(features.path)
+        self.repaired: list[tuple[int, int]] = []
+
+    def read(self, layer_ids, seq_index: int) -> torch.Tensor:
+        """The [K, T, H] hidden states of one sequence (FeatureStore.read), verified."""
+        try:
+            return self.feature_store.read(layer_ids, seq_index, verify=VERIFY_READS)
+        except FeatureMissing:
+            pass
+        damaged = {}
+        for layer_id in layer_ids:
+            try:
+                self.feature_store.read_layer(layer_id, seq_index, verify=True)
+            except FeatureMissing as e:
+                damaged[(layer_id, seq_index)] = e.reason
+        self.repair(damaged)
+        return self.feature_store.read(layer_ids, seq_index, verify=VERIFY_READS)
+
+    def repair(self, damaged: dict[tuple[int, int], str]) -> None:
+        """Extract the arrays `damaged` names ({(layer, sequence): reason}) again."""
+        if not damaged:
+            return
+        names = "; ".join(f"layer_{layer}/seq_{n}: {reason}" for (layer, n), reason in damaged.items())
+        stage_logger().warning(f"{STAGE}/{self.features.key} is damaged ({names}): extracting these again")
+        with self.store.lock(STAGE, self.features.key):
+            todo = []
+            for layer_id, n in damaged:
+                try:  # another run may have repaired it while this one waited for the lock
+                    self.feature_store.read_layer(layer_id, n, verify=True)
+                except FeatureMissing:
+                    self.feature_store.discard(layer_id, n)
+                    todo.append((layer_id, n))
+            if todo:
+                _extract(self.target_dir, self.refs, todo, self.feature_store, self.dtype, self.device)
+                self.repaired += todo
 
 
 def _extract(target_dir, refs, missing, feature_store, dtype, device) -> None:

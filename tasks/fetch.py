@@ -29,7 +29,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.drafter import DrafterConfig, DrafterError
-from dflash_core.training_payload import export_drafter_weights
+from dflash_core.drafter_weights import check_drafter_weights, export_drafter_weights
 from storage import Store, file_sha256, key_of
 from storage.checkpoint import (
     CONFIG,
@@ -46,7 +46,7 @@ from storage.checkpoint import (
 from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
 
 from .progress import StageProgress, stage_logger
-from .stage import cached, run_entry
+from .stage import cached, refusals_fail_cleanly, run_entry
 
 STAGE = "fetch"
 CHECKPOINT_DIRNAME = "checkpoint"
@@ -255,6 +255,7 @@ def fetched_files(ready: ReadyCheckpoint, drafter_config: str | None, store: Sto
 
 
 @task(name="fetch", cache_policy=NONE, persist_result=False)
+@refusals_fail_cleanly(CheckpointError)
 def fetch_checkpoint(
     source: str,
     store_root: str,
@@ -301,8 +302,14 @@ def fetch_checkpoint(
                 raise CheckpointError(f"--drafter-config {drafter_config} changed while this run used it; run again")
         record = {"files": files, "source": source if ready.client else str(ready.local.directory),
                   "step": ready.step, "layout": ready.layout, "config_source": config_source}
-        if ready.layout == "specforge":
-            record["weights_from"] = _export_payload(destination)
+        try:
+            if ready.layout == "specforge":
+                record["weights_from"] = _export_payload(destination)
+            check_drafter_weights(destination)
+        except (CheckpointError, DrafterError) as e:
+            shutil.rmtree(entry)  # verified bytes of a bad checkpoint: nothing of it stays in the store
+            where = str(e).replace(f"{destination}/", "").replace(f"{destination}: ", "")  # not the store's path
+            raise CheckpointError(f"drafter {source}: {where}") from None
         return record
 
     record, computed = run_entry(store, STAGE, key, compute, refresh)

@@ -2,6 +2,12 @@
 
 A multi-turn prompt gives one reference per turn: turn k's prompt holds the target's own answers to
 turns 1..k-1. Its items are named `<id>#<k>`.
+
+A server's entry holds `fingerprint.json`: the server's fingerprint (what its model does, not what it
+calls itself) when the entry was begun. It is taken again when the entry is resumed and before it is
+committed; a different one stops the run (ServerModelChanged), so one entry never holds references of
+two models. The local backend needs none: the weights it decodes with are the ones whose content
+digest is in the key, so other weights at the same path get an entry of their own.
 """
 
 import threading
@@ -15,16 +21,18 @@ from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
 from dflash_core.prompts import Prompt, prompt_set_identity, read_prompts, resolve_prompts, turn_prompt_ids
-from dflash_core.reference_backends import TOKENIZER_LOCK, BackendError, LocalBackend, open_backend
+from dflash_core.reference_backends import (TOKENIZER_LOCK, BackendError, LocalBackend, ServerModelChanged,
+                                             fingerprint_difference, open_backend)
 from dflash_core.replay import Reference
 from dflash_core.target import read_target_config
 from storage import Store, key_of, read_json, write_json_atomic
 
-from .progress import StageProgress
+from .progress import StageProgress, stage_logger
 from .stage import cached, run_entry
 from .target import loaded_target, target_key
 
 STAGE = "references"
+FINGERPRINT_FILE = "fingerprint.json"  # the server's fingerprint when the entry was begun
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,56 @@ def generate_turns(backend, tokenizer, prompt: Prompt, max_new_tokens: int, stop
     return turns
 
 
+def _served_as(backend) -> str:
+    return ", ".join(f"{k} {v}" for k, v in backend.identity.items() if k != "kind" and v is not None)
+
+
+def _refresh_hint() -> str:
+    return ("`dflash-eval stage references --refresh` with the same options (flow parameter refresh: "
+            "[\"references\"]) starts the entry anew with the model served now")
+
+
+def begin_fingerprint(entry: Path, backend, reference: str) -> dict:
+    """The server's fingerprint now. An entry without references stores it; one with references (a
+    resumed entry) must have been begun with the same fingerprint, else ServerModelChanged, which
+    names the server and what to do: its references and the ones to come must be one model's."""
+    now = backend.fingerprint()
+    kept = sorted(entry.glob("seq_*.json"))
+    stored = entry / FINGERPRINT_FILE
+    if kept and stored.exists():
+        problem = fingerprint_difference(read_json(stored)["fingerprint"], now)
+        if problem is not None:
+            raise ServerModelChanged(
+                f"reference server {reference} ({_served_as(backend)}): its model changed since this references "
+                f"entry was begun: {problem}. The entry's {len(kept)} finished references came from the model it "
+                f"served then and are not completed with another model's: serve that model again to resume the "
+                f"entry, or {_refresh_hint()}. Entry: {entry}")
+        return now
+    if kept:  # begun before entries held a fingerprint: which model wrote them cannot be checked
+        stage_logger().warning(f"{entry}: {len(kept)} references of an entry begun without a model fingerprint "
+                               "are discarded and generated again (their model cannot be checked)")
+        for path in kept:
+            path.unlink()
+    write_json_atomic(stored, {"backend": backend.identity, "fingerprint": now})
+    return now
+
+
+def check_fingerprint_unchanged(entry: Path, backend, reference: str, begun: dict, written: list[int]) -> None:
+    """Before commit: the server must still give the fingerprint the entry was begun with. If it does not
+    (the server was swapped during the run), the references this run wrote may come from either model:
+    they are removed and ServerModelChanged is raised; nothing is committed."""
+    problem = fingerprint_difference(begun, backend.fingerprint())
+    if problem is None:
+        return
+    for n in written:
+        (entry / f"seq_{n}.json").unlink(missing_ok=True)
+    raise ServerModelChanged(
+        f"reference server {reference} ({_served_as(backend)}): its model changed during this run: {problem}. "
+        f"The {len(written)} references this run generated may come from either model: they were removed and "
+        f"nothing was committed. Rerun once the server serves the target's model; {_refresh_hint()}. "
+        f"Entry: {entry}")
+
+
 @task(name="references", cache_policy=NONE, persist_result=False)
 def generate_references(
     target_dir: str,
@@ -132,7 +190,10 @@ def generate_references(
     })
 
     def compute(entry: Path) -> dict:
+        # before the resume point is read: a changed server stops here, or empties an unverifiable entry
+        fingerprint = None if reference == "local" else begin_fingerprint(entry, backend, reference)
         todo = [n for n in range(len(prompts)) if not (entry / f"seq_{n}.json").exists()]  # resume
+        written = []
         failed = threading.Event()
 
         def one_prompt(n):
@@ -153,17 +214,21 @@ def generate_references(
                     n = running[future]
                     write_json_atomic(entry / f"seq_{n}.json", {"id": prompts[n].id, "category": prompts[n].category,
                                                                "turns": future.result()})
+                    written.append(n)
                     done += 1
                     progress.update(done)
         if failure is not None:
             raise failure
+        if fingerprint is not None:
+            check_fingerprint_unchanged(entry, backend, reference, fingerprint, written)
         n_items = sum(max(1, len(p.turns)) for p in prompts)
         unverified = sum(not t["verified"] for n in range(len(prompts))
                          for t in read_json(entry / f"seq_{n}.json")["turns"])
         return {"n_prompts": len(prompts), "n": n_items, "prompts": str(prompts_source), "target": str(target_dir),
                 "backend": backend.identity,
                 "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids, "lookahead": lookahead,
-                "unverified": unverified}
+                "unverified": unverified,
+                **({"backend_fingerprint": key_of(fingerprint)} if fingerprint is not None else {})}
 
     record, computed = run_entry(store, STAGE, key, compute, refresh)
     refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record["n_prompts"], n=record["n"],

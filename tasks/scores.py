@@ -8,6 +8,7 @@ from prefect.cache_policies import NONE
 
 from dflash_core.metrics import PromptScore, all_positions_tau, summarize
 from storage import Store, key_of, read_json, write_json_atomic
+from storage.integrity import entry_label, upstream_digests
 
 from .drafts import Drafts
 from .references import ReferenceSet, load_references
@@ -50,7 +51,9 @@ def score(drafts: Drafts, refs: ReferenceSet, store_root: str, refresh: bool = F
         write_json_atomic(entry / "scores.json", summary, indent=1)
         return {"tau_macro": summary["tau_macro"], "tau_pooled": summary["tau_pooled"], "drafts": drafts.key}
 
-    record, computed = run_entry(store, STAGE, key, compute, refresh)
+    # recomputed when the drafts (or references) it summarizes were recomputed with another content
+    labels = [entry_label("drafts", drafts.key), entry_label("references", refs.key)]
+    record, computed = run_entry(store, STAGE, key, compute, refresh, upstream=lambda: upstream_digests(store, labels))
     scores = Scores(key=key, path=str(store.entry(STAGE, key) / "scores.json"),
                     tau_macro=record["tau_macro"], tau_pooled=record["tau_pooled"])
     return scores if computed else cached(scores)

@@ -17,6 +17,8 @@ import pytest
 from flows.evaluate import STAGES
 from storage.relay_server import RelayServer
 
+from tests.tiny_models import first_prompts
+
 pytestmark = pytest.mark.slow
 
 N_PROMPTS = 6
@@ -69,8 +71,7 @@ def prefect_server(tmp_path_factory):
 @pytest.fixture(scope="module")
 def setup(tiny_qwen3_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("unattended")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(tiny_qwen3_run.prompts_file.read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "prompts.jsonl")
     runs = root / "runs"
     for checkpoint in tiny_qwen3_run.drafter_steps[:2]:  # step_100 and step_200 on the relay
         shutil.copytree(checkpoint, runs / "run1" / checkpoint.name)
@@ -271,13 +272,14 @@ print(f"notified {called:.2f} s after saving: {notify.stdout.strip()} {notify.st
 
 def test_a_checkpoint_notified_as_soon_as_it_is_saved_is_waited_for_and_evaluated(prefect_server, served, setup,
                                                                                 tmp_path):
-    """The trainer saves and notifies at once; the relay answers 409 until the save is 20 s old (the
-    30 s default, shortened), and the evaluation waits for it instead of failing with "no checkpoint"."""
+    """The trainer saves and notifies at once; the relay answers 409 until the save is 45 s old (the
+    30 s default, made longer than the way from notify to fetch: the event, the runner's 10 s poll, a new
+    process importing torch), and the evaluation waits for it instead of failing with "no checkpoint"."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     runs = tmp_path / "runs"
     runs.mkdir()
-    with RelayServer(runs, state_dir=tmp_path / "relay_state", settle_seconds=20) as relay:
+    with RelayServer(runs, state_dir=tmp_path / "relay_state", settle_seconds=45) as relay:
         url = f"{relay.url}/run3/step_400"
         with client_of(prefect_server) as client:
             before = {r.id for r in evaluation_runs(client)}

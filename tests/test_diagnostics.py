@@ -6,6 +6,8 @@ import shutil
 
 import pytest
 
+from tests.tiny_models import first_prompts
+
 pytestmark = pytest.mark.slow
 
 N_PROMPTS = 12
@@ -17,8 +19,7 @@ def run_dir(tiny_qwen3_run, tmp_path_factory):
     """A short prompt file, a stand-in for a published drafter (step_200's weights under another
     name, no step), and a store path."""
     root = tmp_path_factory.mktemp("diagnosed")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(tiny_qwen3_run.prompts_file.read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "prompts.jsonl")
     published = root / "published" / "dflash-tiny"
     shutil.copytree(tiny_qwen3_run.drafter_steps[1], published)
     config = json.loads((published / "config.json").read_text())

@@ -10,6 +10,8 @@ from flows.cli import app
 from storage import Store
 from storage.relay_server import RelayServer
 
+from tests.tiny_models import first_prompts
+
 pytestmark = pytest.mark.slow
 
 TOKEN = "s3cret-relay-token"
@@ -24,8 +26,7 @@ def relay(tiny_qwen3_run, tmp_path_factory):
 
 
 def run(tiny, drafter, store, tmp_path, *extra):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(tiny.prompts_file.read_text().splitlines(keepends=True)[:6]))
+    prompts = first_prompts(tiny, 6, tmp_path / "prompts.jsonl")
     return CliRunner().invoke(app, ["run", "--target", str(tiny.target_dir), "--drafter", str(drafter),
                                     "--prompts", str(prompts), "--max-new-tokens", "32", "--store", str(store),
                                     "--out", str(tmp_path / "results.json"), *extra])

@@ -20,6 +20,8 @@ from dflash_core.decoding import speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.target import load_target, read_target_config
 
+from tests.tiny_models import first_prompts
+
 pytestmark = pytest.mark.slow
 
 N_PROMPTS = 10
@@ -30,8 +32,7 @@ STAGES = ("fetch", "references", "features", "drafts", "scores")
 @pytest.fixture(scope="module")
 def tiny(tiny_qwen3_run, tmp_path_factory):
     """The tiny run, with a smaller prompt file (the first N_PROMPTS held-out prompts)."""
-    prompts = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    prompts.write_text("".join(tiny_qwen3_run.prompts_file.read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
     tiny_qwen3_run.prompts = prompts
     return tiny_qwen3_run
 
@@ -307,6 +308,29 @@ def _truncated_weights(tmp_path, tiny) -> Path:
     return directory
 
 
+def _target_with(tmp_path, tiny, **config_changes):
+    """A copy of the tiny target with config.json fields replaced."""
+    directory = tmp_path / "target"
+    shutil.copytree(tiny.target_dir, directory)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, **config_changes}))
+    return directory
+
+
+def _truncated_target(tmp_path, tiny):
+    directory = tmp_path / "truncated_target"
+    shutil.copytree(tiny.target_dir, directory)
+    with open(directory / "model.safetensors", "r+b") as f:
+        f.truncate(300_000)  # past the header, short of the weights (as an interrupted copy leaves it)
+    return directory
+
+
+def _a_file(tmp_path):
+    path = tmp_path / "file"
+    path.write_text("not a folder\n")
+    return path
+
+
 def _bad_prompts(tmp_path, tiny, bad_line):
     lines = tiny.prompts.read_text().splitlines()
     path = tmp_path / "bad.jsonl"
@@ -346,6 +370,20 @@ BAD_INPUTS = {
     "sampling temperature": (lambda t, tiny: {"--temperature": "0.7"}, "only greedy decoding (temperature 0)"),
     "malformed reference": (lambda t, tiny: {"--reference": "vllm://host:8000"},
                             "use local, sglang+http://HOST:PORT or openai+http://HOST:PORT/v1"),
+    "target config with a string for a number": (
+        lambda t, tiny: {"--target": str(_target_with(t, tiny, hidden_size="192"))},
+        "config.json: Field 'hidden_size' expected int, got str"),
+    "target weights cut short": (lambda t, tiny: {"--target": str(_truncated_target(t, tiny))},
+                                 "model.safetensors has 300000 bytes where its header describes"),
+    "store is a file": (lambda t, tiny: {"--store": str(_a_file(t))}, "/work/file is a file, not a folder"),
+    "store under a file": (lambda t, tiny: {"--store": str(_a_file(t) / "store")},
+                           "/work/file/store cannot be created: "),
+    # root may write anywhere os.access can tell, but nothing can be created in /proc: found by trying
+    "store that cannot be created": (lambda t, tiny: {"--store": "/proc/dflash-store"},
+                                     "--store: /proc/dflash-store cannot be created"),
+    "out under a file": (lambda t, tiny: {"--out": str(_a_file(t) / "results.json")}, "file is a file, not a folder"),
+    "out is a folder": (lambda t, tiny: {"--out": str(t)}, "is a folder; give a file name"),
+    "prompts given as a directory": (lambda t, tiny: {"--prompts": str(t)}, "is a directory, not a prompt file"),
 }
 
 

@@ -23,6 +23,8 @@ from flows.cli import app
 from flows.report import NothingToReport, write_report
 from storage import Store, key_of, write_json_atomic
 
+from tests.tiny_models import first_prompts
+
 N_PROMPTS = 10
 MAX_NEW = 64
 
@@ -107,8 +109,7 @@ def scored_store(tiny_qwen3_run, prefect_api_url, tmp_path_factory):
     from flows.evaluate import evaluate_checkpoint
 
     root = tmp_path_factory.mktemp("report")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(tiny_qwen3_run.prompts_file.read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "prompts.jsonl")
     store = Store(root / "store")
     baseline = root / "z-lab" / "tiny-dflash-b8"
     shutil.copytree(tiny_qwen3_run.drafter_steps[1], baseline)

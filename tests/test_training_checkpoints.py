@@ -23,11 +23,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from prefect.states import State
 from torch import nn
 
 from storage import Store
 from storage.relay_server import RelayServer
 from tasks.fetch import CheckpointError, fetch_checkpoint
+
+from tests.tiny_models import first_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -84,8 +87,7 @@ def saves(tiny_qwen3_run, tmp_path_factory):
     shutil.copy(modeling.__file__, old / "dflash.py")
 
     hf = Path(export_to_hf(str(out / "run1-step400"), str(config_file), str(root / "hf")))
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(tiny_qwen3_run.prompts_file.read_text().splitlines(keepends=True)[:N_PROMPTS]))
+    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "prompts.jsonl")
     return {"tiny": tiny_qwen3_run, "config": config_file, "hf": hf, "step": out / "run1-step400",
             "latest": out / "run1-latest", "old": old, "out": out, "prompts": prompts, "root": root}
 
@@ -158,6 +160,12 @@ def test_a_specforge_step_without_any_config_asks_for_one(saves, tmp_path, prefe
     assert not (tmp_path / "store").exists()
 
 
+def fetch(*args, **kwargs):
+    """The fetch task's function: its Checkpoint, or the CheckpointError its Failed state carries."""
+    outcome = fetch_checkpoint.fn(*args, **kwargs)
+    return outcome.result() if isinstance(outcome, State) else outcome
+
+
 def specforge_step(tmp_path: Path, payload) -> Path:
     step = tmp_path / "run9-step10"
     step.mkdir()
@@ -168,7 +176,7 @@ def specforge_step(tmp_path: Path, payload) -> Path:
 def test_a_payload_with_python_objects_is_refused_with_how_to_export(saves, tmp_path):
     step = specforge_step(tmp_path, {"draft_state_dict": {}, "args": argparse.Namespace(lr=1e-4)})
     with pytest.raises(CheckpointError, match=r"not loaded.*specforge\.export\.to_hf"):
-        fetch_checkpoint.fn(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+        fetch(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
     assert Store(tmp_path / "store").keys("fetch") == []
 
 
@@ -181,7 +189,7 @@ def test_a_pickle_that_would_run_code_is_never_executed(saves, tmp_path):
     _Exploit.marker = tmp_path / "pwned"
     step = specforge_step(tmp_path, {"draft_state_dict": _Exploit()})  # its pickle calls os.system when loaded
     with pytest.raises(CheckpointError, match="not loaded"):
-        fetch_checkpoint.fn(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+        fetch(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
     assert not _Exploit.marker.exists()
 
 
@@ -192,7 +200,7 @@ def test_weights_found_by_structure_wherever_the_trainer_put_them(saves, tmp_pat
     nested = {"model": {f"draft_model.{k}": v for k, v in exported.items()} | {"target.lm_head.weight": torch.zeros(1)},
               "global_step": 10}
     step = specforge_step(tmp_path, nested)
-    checkpoint = fetch_checkpoint.fn(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+    checkpoint = fetch(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
     held = load_file(Path(checkpoint.path) / "model.safetensors")
     assert held.keys() == exported.keys() and all(torch.equal(held[k], exported[k]) for k in held)
     assert Store(tmp_path / "store").read_record("fetch", checkpoint.key)["weights_from"] == \
@@ -202,4 +210,4 @@ def test_weights_found_by_structure_wherever_the_trainer_put_them(saves, tmp_pat
     other.mkdir()
     wrong = specforge_step(other, {"draft_state_dict": {k: v for k, v in exported.items() if k != "norm.weight"}})
     with pytest.raises(CheckpointError, match="no drafter weights found"):
-        fetch_checkpoint.fn(str(wrong), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+        fetch(str(wrong), str(tmp_path / "store"), drafter_config=str(saves["config"]))

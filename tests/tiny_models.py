@@ -3,7 +3,7 @@
 Each builder seeds torch, builds a randomly initialised model in float32 and
 `save_pretrained`s it into `path` (created if needed), then returns `path`.
 Vocabularies are 64 tokens and hidden sizes 32..64 so that a forward pass takes
-milliseconds on a CPU.
+milliseconds on a CPU. `first_prompts` cuts a tiny run's held-out prompts to the few a test needs.
 """
 
 from pathlib import Path
@@ -231,3 +231,10 @@ def build_qwen2_5_vl(path, *, seed=0) -> Path:
     )
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     return _save(model, path)
+
+
+def first_prompts(run, n: int, path) -> Path:
+    """Write the first `n` held-out prompts of tiny run `run` to the JSONL file `path`; returns it."""
+    path = Path(path)
+    path.write_text("".join(run.prompts_file.read_text().splitlines(keepends=True)[:n]))
+    return path

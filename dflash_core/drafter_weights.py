@@ -1,4 +1,9 @@
-"""A drafter's weights out of a training framework's pickled save, into the published format.
+"""A drafter checkpoint's weights, checked before they are trusted, and taken out of a training
+framework's pickled save into the published format.
+
+`check_drafter_weights` loads a checkpoint as `load_drafter` does (every weight present, with the
+shape its config implies, nothing more) and refuses non-finite values: a diverged or corrupt save
+would otherwise score tau 1.0 without a word.
 
 SpecForge's CheckpointManager (`specforge/training/checkpoint.py`, `controller.save_checkpoint`)
 writes `{run_id}-stepN/training_state.pt`: a torch.save'd dict whose `draft_state_dict` holds the
@@ -19,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .drafter import DFlashDrafter, DrafterConfig, DrafterError
+from .drafter import DFlashDrafter, DrafterConfig, DrafterError, load_drafter
 
 MAX_DEPTH = 4  # how deep in nested dicts the weights may sit
 EXPORT_HINT = (
@@ -110,3 +115,15 @@ def export_drafter_weights(payload_path: str | Path, cfg: DrafterConfig, out_fil
     # clone: memory-mapped tensors may share storage, which safetensors refuses to write
     save_file({name: weights[name].detach().clone().contiguous() for name in sorted(weights)}, str(out_file))
     return where
+
+
+def check_drafter_weights(path: str | Path) -> None:
+    """Refuse a drafter checkpoint whose weights are unreadable, missing, of the wrong shape for its
+    config, unexpected, or not finite (DrafterError naming the tensor). Values are checked as stored."""
+    # the mask token shapes no weight: a placeholder id spares resolving a string one without the target
+    drafter = load_drafter(path, dtype=torch.float32, mask_token_id=0)
+    for name, weight in drafter.named_parameters():
+        bad = int((~torch.isfinite(weight)).sum())
+        if bad:
+            raise DrafterError(f"{path}: weight {name} has {bad} of {weight.numel()} values NaN or infinite: the "
+                               "training diverged or the save is corrupt; nothing was stored")
