@@ -1,5 +1,6 @@
 """What verifying every read costs the drafts stage: sha256 of each feature array against its marker
-(FeatureReader, VERIFY_READS) and of the drafter checkpoint's files before loading them.
+(FeatureReader, VERIFY_READS) and, for a checkpoint fetched by an earlier run (a cache hit: one fetched
+by this run was hashed at its commit), of the drafter checkpoint's files before loading them.
 
 Measures, in one process, the drafts stage's own work at a realistic-ish shape (random weights; the
 defaults are a 2-layer drafter of hidden size 1024 over 5 target layers, a 32k vocabulary, block 16,
@@ -89,7 +90,6 @@ def main() -> None:
 
     steps = sum(len(r.acceptance_lengths) for r in results)
     tau = sum(sum(r.acceptance_lengths) for r in results) / steps
-    extra = (t_read_verified - t_read) + t_hash_weights
     print(f"shape: drafter {args.drafter_layers} layers, hidden {H}, vocab {V}, block {args.block}; "
           f"{K} feature layers; {args.sequences} prompts of {args.prompt} + {args.completion} tokens; "
           f"{args.threads} threads")
@@ -100,8 +100,8 @@ def main() -> None:
     features_extra = t_read_verified - t_read
     for label, stage in [(f"measured tau {tau:.2f}", t_read + t_replay)] + [
             (f"tau {t} (replay scaled by {tau:.2f}/{t})", t_read + t_replay * tau / t) for t in (4, 6)]:
-        print(f"verification / drafts stage: {extra / stage:.2%} at {label}: features {features_extra / stage:.2%}, "
-              f"weights {t_hash_weights / stage:.2%}")
+        print(f"verification / drafts stage at {label}: features {features_extra / stage:.2%}; "
+              f"+ weights {t_hash_weights / stage:.2%} if the checkpoint was fetched by an earlier run")
     # the weights are hashed once per stage: their share shrinks with the number of prompts drafted
 
 

@@ -109,11 +109,12 @@ class CheckpointDamaged(RuntimeError):
 
 
 def verify_checkpoint(store: Store, checkpoint: Checkpoint) -> None:
-    """Hash every file of the checkpoint's fetch entry against the digests recorded at its commit (the
-    weights are about to be read whole anyway: ~1 s per GB). A damaged entry is removed (with a warning
-    naming it) and CheckpointDamaged raised: this run cannot fetch it, the next one does."""
+    """Hash every file of the checkpoint's fetch entry against the digests recorded at its commit (~1 s
+    per GB), unless this run fetched it: then they were hashed moments ago, and sizes are checked. A
+    damaged entry is removed (with a warning naming it) and CheckpointDamaged raised: this run cannot
+    fetch it, the next one does."""
     try:
-        store.read_entry("fetch", checkpoint.key, full=True)
+        store.read_entry("fetch", checkpoint.key, full=not checkpoint.fetched_by_this_run)
     except EntryMissing as e:
         raise CheckpointDamaged(f"the drafter checkpoint fetch/{checkpoint.key} ({checkpoint.source}) cannot be "
                                 f"used: {e.reason}; run again to fetch it again") from None

@@ -72,6 +72,7 @@ class Checkpoint:
     step: int | None  # training step (storage.checkpoint.training_step, as the relay reads it)
     layout: str = "hf"  # how the trainer saved it: "hf" or "specforge" (storage.checkpoint)
     config_source: str = "checkpoint"  # "checkpoint", "run folder" or "--drafter-config <file>"
+    fetched_by_this_run: bool = False  # its files were hashed at commit, moments ago (not a cache hit)
 
 
 @dataclass(frozen=True)
@@ -315,7 +316,7 @@ def fetch_checkpoint(
     record, computed = run_entry(store, STAGE, key, compute, refresh)
     checkpoint = Checkpoint(key=key, path=str(store.entry(STAGE, key) / CHECKPOINT_DIRNAME), source=source,
                             step=record["step"], layout=record.get("layout", "hf"),
-                            config_source=record.get("config_source", "checkpoint"))
+                            config_source=record.get("config_source", "checkpoint"), fetched_by_this_run=computed)
     return checkpoint if computed else cached(checkpoint)
 
 

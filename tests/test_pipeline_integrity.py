@@ -240,3 +240,22 @@ def test_a_damaged_checkpoint_is_named_and_fetched_again_by_the_next_run(tiny, c
             evaluate(tiny, store, step=0)
     again = evaluate(tiny, store, step=0)
     assert again["stages"]["fetch"] == "ran" and again["stages"]["drafts"] == "ran"
+
+
+def test_weights_are_hashed_before_drafting_only_when_the_fetch_was_a_cache_hit(tiny, tmp_path, monkeypatch):
+    """A checkpoint fetched by this run had its weights hashed at commit moments before: the drafts stage
+    does not hash them again. One fetched by an earlier run is hashed in full before it is drafted from."""
+    from storage import store as store_module
+
+    monkeypatch.setattr(store_module, "VERIFY_ON_READ_BYTES", 0, raising=False)  # weights as large as real ones
+    hashed = []
+    real_sha256 = store_module.file_sha256
+    monkeypatch.setattr(store_module, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha256(path))
+    store = tmp_path / "store"
+    evaluate(tiny, store, step=0)
+    assert hashed.count("model.safetensors") == 1  # at the fetch's commit
+    shutil.rmtree(entry_dir(store, "drafts"))
+    hashed.clear()
+    again = evaluate(tiny, store, step=0)
+    assert again["stages"]["fetch"] == "cached" and again["stages"]["drafts"] == "ran"
+    assert hashed.count("model.safetensors") == 1  # before drafting
