@@ -42,10 +42,11 @@ def relay(tree, tmp_path):
         yield server
 
 
-def get(relay, path, **headers):
-    """A raw request, so the path reaches the server exactly as written (requests normalizes '..')."""
+def get(relay, path, source="127.0.0.1", **headers):
+    """A raw request, so the path reaches the server exactly as written (requests normalizes '..'), from
+    the loopback address `source` (the relay bounds connections per client address)."""
     host, port = relay.url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
     try:
         conn.request("GET", path, headers=headers)
         response = conn.getresponse()

@@ -18,6 +18,7 @@ import pytest
 from storage.relay_client import RelayClient
 from storage.relay_server import RelayServer
 from tests.checkpoints import write_checkpoint
+from tests.test_relay import get
 
 INSIDE = b"inside-" * 300  # 2100 bytes: what a swapped link may serve
 SECRET = b"TOP-SECRET-" * 700  # 7700 bytes: what it must never serve (another size, so lengths tell too)
@@ -32,16 +33,6 @@ def root(tmp_path):
 
 def _port(relay: RelayServer) -> int:
     return int(relay.url.rsplit(":", 1)[1])
-
-
-def _request(port: int, path: str, source: str = "127.0.0.1", **headers) -> tuple[int, dict, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10, source_address=(source, 0))
-    try:
-        conn.request("GET", path, headers=headers)
-        response = conn.getresponse()
-        return response.status, dict(response.getheaders()), response.read()
-    finally:
-        conn.close()
 
 
 def _swap_link(link, targets, tmp, stop: threading.Event, swaps: list) -> None:
@@ -124,14 +115,13 @@ def test_links_inside_dir_are_still_served(root, tmp_path):
     (root / "run1" / "step_1000" / "extra.bin").symlink_to(root / "shared" / "blob.bin")
     (root / "run1" / "run1-latest").symlink_to(root / "run1" / "step_1000", target_is_directory=True)
     with RelayServer(root, state_dir=tmp_path / "state", settle_seconds=0) as relay:
-        port = _port(relay)
-        status, headers, body = _request(port, "/v1/files/run1/step_1000/extra.bin")
+        status, headers, body = get(relay, "/v1/files/run1/step_1000/extra.bin")
         assert status == 200 and body == INSIDE and headers["Content-Length"] == str(len(INSIDE))
-        status, _, body = _request(port, "/v1/manifest/run1/run1-latest?include=extra.bin")
+        status, _, body = get(relay, "/v1/manifest/run1/run1-latest?include=extra.bin")
         manifest = json.loads(body)
         assert status == 200 and manifest["path"] == "run1/step_1000"
         assert {f["name"]: f["size"] for f in manifest["files"]}["extra.bin"] == len(INSIDE)
-        assert _request(port, "/v1/files/run1/run1-latest/extra.bin")[2] == INSIDE
+        assert get(relay, "/v1/files/run1/run1-latest/extra.bin")[2] == INSIDE
 
 
 def _closed_by_server(socks: list[socket.socket], within: float) -> list[socket.socket]:
@@ -163,7 +153,7 @@ def test_half_open_requests_do_not_exhaust_the_server(root, tmp_path):
                 s = socket.create_connection(("127.0.0.1", port), timeout=5)
                 s.sendall(b"GET /v1/checkpoints HTTP/1.1\r\nHost: relay\r\n")  # never finished
                 socks.append(s)
-            status, _, body = _request(port, "/v1/checkpoints", source="127.0.0.2", Authorization="Bearer t0ken")
+            status, _, body = get(relay, "/v1/checkpoints", source="127.0.0.2", Authorization="Bearer t0ken")
             assert status == 200 and json.loads(body)["checkpoints"][0]["path"] == "run1/step_1000"
             assert relay.active_connections <= 32 + 1  # + the other client's, maybe not ended yet
             assert threading.active_count() <= baseline + 32 + 1
@@ -227,15 +217,15 @@ def test_connection_bounds_answer_503_with_retry_after(root, tmp_path):
             s.sendall(b"GET /v1/checkpoints HTTP/1.1\r\n")
             held.append(s)
         _wait_for(lambda: relay.active_connections == 3)  # accepted and counted
-        status, headers, body = _request(port, "/v1/checkpoints", source="127.0.0.3")  # its third
+        status, headers, body = get(relay, "/v1/checkpoints", source="127.0.0.3")  # its third
         assert status == 503 and headers["Retry-After"] == "1" and b"too many connections" in body
-        assert _request(port, "/v1/checkpoints", source="127.0.0.5")[0] == 200  # the fourth in all
+        assert get(relay, "/v1/checkpoints", source="127.0.0.5")[0] == 200  # the fourth in all
         _wait_for(lambda: relay.active_connections == 3)  # that one ended
         s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=("127.0.0.4", 0))
         s.sendall(b"GET /v1/checkpoints HTTP/1.1\r\n")
         held.append(s)
         _wait_for(lambda: relay.active_connections == 4)
-        status, headers, _ = _request(port, "/v1/checkpoints", source="127.0.0.6")  # a fifth in all
+        status, headers, _ = get(relay, "/v1/checkpoints", source="127.0.0.6")  # a fifth in all
         assert status == 503 and headers["Retry-After"] == "1"
         started = time.monotonic()
         listed = RelayClient(relay.url, backoff=0.3, retries=4).list_checkpoints()  # 503 first, then in
@@ -257,7 +247,7 @@ def test_connection_bounds_answer_503_with_retry_after(root, tmp_path):
 ])
 def test_unparseable_or_huge_range_answers_416(root, tmp_path, value):
     with RelayServer(root, state_dir=tmp_path / "state", settle_seconds=0) as relay:
-        status, headers, body = _request(_port(relay), "/v1/files/run1/step_1000/model.safetensors", Range=value)
+        status, headers, body = get(relay, "/v1/files/run1/step_1000/model.safetensors", Range=value)
     assert status == 416 and headers["Content-Range"] == "bytes */4096" and body == b""
 
 
@@ -265,7 +255,7 @@ def test_other_range_units_and_several_ranges_get_the_whole_file(root, tmp_path)
     data = (root / "run1" / "step_1000" / "model.safetensors").read_bytes()
     with RelayServer(root, state_dir=tmp_path / "state", settle_seconds=0) as relay:
         for value in ("items=0-5", "bytes=0-1,5-6"):
-            status, headers, body = _request(_port(relay), "/v1/files/run1/step_1000/model.safetensors", Range=value)
+            status, headers, body = get(relay, "/v1/files/run1/step_1000/model.safetensors", Range=value)
             assert status == 200 and body == data and headers["Content-Length"] == "4096"
 
 
@@ -275,7 +265,7 @@ def test_500_never_carries_exception_text(root, tmp_path, caplog):
             raise RuntimeError("/very/private/path leaked")
 
         relay.list_checkpoints = broken
-        status, _, body = _request(_port(relay), "/v1/checkpoints")
+        status, _, body = get(relay, "/v1/checkpoints")
     assert status == 500 and b"private" not in body and b"RuntimeError" not in body
     assert json.loads(body)["error"].startswith("internal error")
     assert "/very/private/path leaked" in caplog.text  # the details are in the relay's log
