@@ -1,11 +1,7 @@
 """The `dflash-eval` command line."""
 
-import errno
 import json
 import os
-import shutil
-import stat
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -13,6 +9,9 @@ from pathlib import Path
 from typing import NoReturn
 
 import typer
+
+from flows.store_paths import (is_storage_full, storage_full_message, store_problem, store_root, store_write_problem,
+                               writable_problem)
 
 # This tool runs offline: Prefect's temporary server must not try to send telemetry.
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -67,7 +66,7 @@ def _evaluate(**kwargs) -> dict:
     from dflash_core.reference_backends import BackendError
     from tasks.fetch import CheckpointError
 
-    if problem := _store_problem(kwargs.get("store")):
+    if problem := store_problem(kwargs.get("store")):
         _fail(problem)
     try:
         check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
@@ -77,21 +76,21 @@ def _evaluate(**kwargs) -> dict:
                      reference_api_key_file=kwargs.get("reference_api_key_file"),
                      drafter_config=kwargs.get("drafter_config"), include=kwargs.get("include"),
                      checkpoint_wait=kwargs.get("checkpoint_wait"), settle_seconds=kwargs.get("settle_seconds"))
-        if problem := _store_write_problem(_store_root(kwargs.get("store"))):
+        if problem := store_write_problem(store_root(kwargs.get("store"))):
             _fail(problem)
         tie_local_server()  # after the checks: bad input costs no server start-up
         # errors handled below get one line, so Prefect's console tracebacks of them are left out
         explained = (InputError, DrafterError, CheckpointError, BackendError)
-        with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or _storage_full(e)):
+        with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)):
             return evaluate_checkpoint(**kwargs)
     # CheckpointError: fetch refused what it got; BackendError: a reference server failed, refused or changed
     except (InputError, DrafterError, CheckpointError, BackendError) as e:
         typer.secho(f"error: {e}", err=True, fg="red")
         raise typer.Exit(2) from None
     except OSError as e:
-        if not _storage_full(e):
+        if not is_storage_full(e):
             raise
-        _fail(_storage_full_message(e, _store_root(kwargs.get("store"))))
+        _fail(storage_full_message(e, store_root(kwargs.get("store"))))
 
 
 def _print_results(results: dict) -> None:
@@ -165,15 +164,6 @@ def _write(results: dict | list, out: Path | None) -> None:
     typer.echo(f"results: {out}")
 
 
-# errno -> what happened, for a write that failed for want of room
-STORAGE_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-                errno.EFBIG: "file size limit (ulimit -f) reached"}
-
-
-def _storage_full(error: BaseException) -> bool:
-    return isinstance(error, OSError) and error.errno in STORAGE_FULL
-
-
 @contextmanager
 def _console_tracebacks_hidden(explained: Callable[[BaseException], bool]) -> Iterator[None]:
     """Prefect logs a failed task's and flow's traceback on the console; for an error this command explains in
@@ -205,92 +195,10 @@ def _fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
-def _store_root(store: str | None) -> Path:
-    from storage import Store
-
-    return Store(store).root.absolute()
-
-
-def _writable_problem(path: Path, folder: bool) -> str | None:
-    """Why this command could not create and fill `path` (a folder) or write it (a file), or None. Only reads:
-    bad input leaves nothing behind. os.access also answers for root on a read-only filesystem (EROFS)."""
-    path = Path(path).absolute()
-    try:
-        for found in (path, *path.parents):  # the nearest part of the path that exists
-            try:
-                mode = found.stat().st_mode
-                break
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-    except OSError as e:  # EACCES: a folder above it cannot be searched
-        return f"{path} cannot be reached ({e.strerror})"
-    if found != path:
-        if not stat.S_ISDIR(mode):
-            return f"{path} cannot be created: {found} is a file, not a folder"
-        if not os.access(found, os.W_OK | os.X_OK):
-            return f"{path} cannot be created: {found} is not writable (permissions, or a read-only filesystem)"
-        return None
-    if folder and not stat.S_ISDIR(mode):
-        return f"{path} is a file, not a folder"
-    if not folder and stat.S_ISDIR(mode):
-        return f"{path} is a folder; give a file name"
-    if not os.access(path, os.R_OK | os.W_OK | os.X_OK if folder else os.W_OK):
-        what = "readable and writable" if folder else "writable"
-        return f"{path} is not {what} (permissions, or a read-only filesystem)"
-    return None
-
-
-def _store_problem(store: str | None) -> str | None:
-    """Why the store cannot be used (read, created, written), or None."""
-    problem = _writable_problem(_store_root(store), folder=True)
-    return f"--store: {problem}" if problem else None
-
-
-def _store_write_problem(root: Path) -> str | None:
-    """Why the store cannot be created or written, found by trying (with the inputs known good, the flow would
-    create it next): what os.access cannot tell, e.g. for root, a folder that refuses new entries (/proc)."""
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=root):  # O_TMPFILE: never has a name in the store
-            pass
-    except OSError as e:
-        return f"--store: {root} cannot be created or written ({e.strerror})"
-    return None
-
-
 def _check_out(out: Path | None, folder: bool = False) -> None:
     """Refuse an --out that could not be written, before any work (else the results are lost at the end)."""
-    if out is not None and (problem := _writable_problem(out, folder)):
+    if out is not None and (problem := writable_problem(out, folder)):
         _fail(f"--out: {problem}")
-
-
-def _storage_full_message(e: OSError, store_root: Path) -> str:
-    """What filled up, and what the store holds now (entries are committed atomically, so it is consistent)."""
-    written = e.filename2 or e.filename  # shutil's copies name the destination second
-    entry = _newest_incomplete_entry(store_root)
-    place = Path(written) if written else entry or store_root
-    message = f"{STORAGE_FULL[e.errno]} while writing {place}"
-    if e.errno != errno.EFBIG:
-        try:
-            free = shutil.disk_usage(next(p for p in (place, *place.parents) if p.exists())).free
-            message += f" ({free / 1e6:.1f} MB free on its filesystem)"
-        except (OSError, StopIteration):
-            pass
-    resumed = (f"the {entry.parent.parent.name} entry being written ({entry.name[:12]}) is incomplete and the next run "
-               "resumes it" if entry else "the next run resumes where this one stopped")
-    return (f"{message}. The store {store_root} is consistent: every entry completed so far is kept and nothing "
-            f"incomplete reads as complete; {resumed}. Free some space (or use another --store) and run the same "
-            "command again")
-
-
-def _newest_incomplete_entry(store_root: Path) -> Path | None:
-    """The most recently created store entry without its completion marker (layout: storage/store.py)."""
-    try:
-        entries = [p for p in store_root.glob("*/*/*") if len(p.name) == 64 and p.is_dir()
-                   and not (p / "entry.json").exists()]
-        return max(entries, key=lambda p: p.stat().st_mtime, default=None)
-    except OSError:
-        return None
 
 
 @app.command()
