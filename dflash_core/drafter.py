@@ -635,11 +635,17 @@ class DFlashDrafter(nn.Module):
         positions = starts[:, None] + torch.arange(B, device=starts.device)
         cos, sin = self.rope(positions)
         masks = self.attention_masks(starts, context[0][0].shape[2])
+        # Context a sliding layer cannot see for any block of the batch is left out of its attention
+        # (masked keys change nothing; with long prompts they would be most of the work).
+        first = {"full_attention": 0}
+        if "sliding_attention" in masks:
+            first["sliding_attention"] = max(0, int(starts.min()) + 1 - self.cfg.sliding_window)
         x = block_embeds.to(self.dtype)
         if self.cfg.input_embedding_scale != 1.0:
             x = x * self.cfg.input_embedding_scale
         for layer, layer_type, (k, v) in zip(self.layers, self.cfg.layer_types, context):
-            x = layer(x, cos, sin, k, v, masks[layer_type])
+            f = first[layer_type]
+            x = layer(x, cos, sin, k[:, :, f:], v[:, :, f:], masks[layer_type][..., f:])
         return self.norm(x)
 
 

@@ -93,6 +93,29 @@ def test_replay_batches_equal_one_at_a_time(qwen3_target):
     assert [r.all_positions for r in batched] == [r.all_positions for r in single]
 
 
+def test_features_are_read_one_at_a_time(qwen3_target):
+    """replay takes any iterable of features and holds one at a time: a generator that reads them from
+    the store (tasks/drafts.py) gives the same result as a list."""
+    raw = drafter_config(hidden_size=64, block_size=4, layer_ids=(1, 2), mask_token_id=0)
+    drafter = random_drafter(raw, seed=13, scale=3.0)
+    refs = [Reference(len(p), greedy_decode(qwen3_target, p, 12)) for p in prompts(seed=3)]
+    feats = extract_features(qwen3_target, [r.token_ids for r in refs], drafter.target_layer_ids)
+    args = (drafter, qwen3_target.embed_weight, qwen3_target.head_weight, refs)
+    live = []
+
+    def read_one_by_one():
+        for f in feats:
+            live.append(f.clone())
+            yield live[-1]
+            live.pop()  # the replay asked for the next one: it no longer needs this one
+
+    lazy = replay(*args, read_one_by_one())
+    assert [(r.starts, r.acceptance_lengths) for r in lazy] == [(r.starts, r.acceptance_lengths) for r in replay(*args, feats)]
+    assert live == []
+    with pytest.raises(ValueError, match=f"{len(refs)} references but {len(refs) - 1} feature tensors"):
+        replay(*args, iter(feats[:-1]))
+
+
 def test_clipped_last_step_and_stop_token(qwen3_target):
     raw = drafter_config(hidden_size=64, block_size=8, layer_ids=(1, 2), mask_token_id=0)
     drafter = random_drafter(raw, seed=14, scale=3.0)

@@ -77,6 +77,22 @@ def test_replay_equals_online_loop_with_trained_drafter(qwen3_eval):
     assert max(lengths) == ev.final.block_size and min(lengths) == 1
 
 
+def test_head_passes_serving_several_positions_change_no_result(qwen3_eval, monkeypatch):
+    """While few blocks are alive, one lm_head pass drafts several positions (replay.HEAD_ROWS): the same
+    steps, lengths and rejected drafts as one position per pass, with a drafter that accepts many."""
+    from dflash_core import replay as replay_module
+
+    ev = qwen3_eval
+    args = (ev.final, ev.target.embed_weight, ev.target.head_weight, ev.refs, ev.features())
+    found = {}
+    for rows in (1, replay_module.HEAD_ROWS, 4096):
+        monkeypatch.setattr(replay_module, "HEAD_ROWS", rows)
+        found[rows] = [(r.starts, r.acceptance_lengths, r.rejected_drafts, r.all_positions)
+                       for r in replay(*args)] + [r.all_positions for r in replay(*args, all_positions=True)]
+    assert found[1] == found[replay_module.HEAD_ROWS] == found[4096]
+    assert max(a for starts, lengths, *_ in found[1][:len(ev.refs)] for a in lengths) == ev.final.block_size
+
+
 def sign_test_p(losses: int, wins: int) -> float:
     """One-sided sign test: the chance of >= `losses` of `losses + wins` paired changes being losses
     if a fault changed nothing."""
