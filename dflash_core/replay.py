@@ -28,9 +28,9 @@ import torch.nn.functional as F
 
 from .drafter import DFlashDrafter, check_compatible
 
-# Rows of the lm_head's matmul below which a pass is bound by reading the head, not by arithmetic
-# (at the Qwen3.6 shape on 2 CPU cores: 88 ms for 8 rows, 109 ms for 16, 151 ms for 32; GPUs balance far higher).
-HEAD_ROWS = 16
+# Rows of the lm_head's matmul whose arithmetic costs about what reading the head once does (at the
+# Qwen3.6 shape, bf16 on 2 CPU cores: 83 ms for 1 row, 88 for 8, 109 for 16, 151 for 32; GPUs balance higher).
+HEAD_ROWS = 32
 
 
 @dataclass(frozen=True)
@@ -167,9 +167,10 @@ class BlockScorer:
             if len(alive) == 0:
                 break
             # Only blocks still matching need position k's logits. A pass over the [V, H] head reads
-            # all of it (2.5 GB at the Qwen3.6 shape) and costs about the same for one row as for
-            # HEAD_ROWS, so a few alive blocks get the next positions' drafts in the same pass.
-            width = min(B - k, max(1, HEAD_ROWS // len(alive)))
+            # all of it (2.5 GB at the Qwen3.6 shape), which costs about as much as HEAD_ROWS rows of
+            # arithmetic: every block needs position 1, but the few blocks still matching after it
+            # get several next positions' drafts from one pass.
+            width = 1 if k == 1 else min(B - k, max(1, HEAD_ROWS // len(alive)))
             drafts = (hidden[alive, k:k + width] @ self.head.T).argmax(-1)  # [n_alive, width]
             for j in range(width):
                 if j:
