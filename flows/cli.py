@@ -54,14 +54,31 @@ INCLUDE = typer.Option(None, "--include", help="Also fetch checkpoint files matc
                        "config, weights and trainer_state.json always travel, optimizer state never unless named.")
 CHECKPOINT_WAIT = typer.Option(300.0, "--checkpoint-wait", help="Seconds to wait for a checkpoint that is not there "
                                "yet or still being written, before failing.")
+THREADS = typer.Option(None, "--threads", min=1, help="CPU threads torch computes with in this process (default: "
+                       "$OMP_NUM_THREADS, else this machine's cores shared by the runs by hand computing on it at "
+                       "the time; ops of small models take fewer, where that is faster; see tasks/threads.py).")
 SETTLE_SECONDS = typer.Option(30.0, "--settle-seconds", envvar="DFLASH_SETTLE_SECONDS", help="A checkpoint folder "
                               "counts as finished once none of its files changed for this long.")
 
 
+def _configure_threads(threads: int | None) -> None:
+    """This process's thread budget, set before anything computes (tasks/threads.py)."""
+    from tasks.threads import configure_threads
+
+    configure_threads(threads)
+
+
+def _decoding_threads(target: str) -> int:
+    """Threads for greedy decoding of `target` (one token per forward) on this machine by default."""
+    from tasks.threads import checkpoint_parameters, default_threads, threads_for
+
+    return threads_for(checkpoint_parameters(target), default_threads())
+
+
 def _evaluate(**kwargs) -> dict:
     """Check the inputs (one clear error, nothing written), then run the flow."""
-    from flows.evaluate import InputError, check_inputs, evaluate_checkpoint
-    from flows.local_server import tie_local_server
+    _configure_threads(kwargs.get("threads"))
+    from flows.evaluate import InputError, check_arguments, check_inputs, evaluate_checkpoint, inputs_checked_by_caller
     from dflash_core.drafter import DrafterError
     from dflash_core.reference_backends import BackendError
     from tasks.fetch import CheckpointError
@@ -69,19 +86,18 @@ def _evaluate(**kwargs) -> dict:
     if problem := store_problem(kwargs.get("store")):
         _fail(problem)
     try:
-        check_inputs(kwargs["target"], kwargs["drafter"], kwargs["prompts"], kwargs["max_new_tokens"],
-                     kwargs["dtype"], kwargs["device"], kwargs["sliding_semantics"], kwargs["thinking"],
-                     kwargs.get("reference", "local"), kwargs.pop("temperature", 0.0),
-                     relay_token_file=kwargs.get("relay_token_file"), baseline=kwargs.get("baseline"),
-                     reference_api_key_file=kwargs.get("reference_api_key_file"),
-                     drafter_config=kwargs.get("drafter_config"), include=kwargs.get("include"),
-                     checkpoint_wait=kwargs.get("checkpoint_wait"), settle_seconds=kwargs.get("settle_seconds"))
+        arguments = check_arguments(kwargs)
+        inputs = check_inputs(**arguments, temperature=kwargs.pop("temperature", 0.0))
         if problem := store_write_problem(store_root(kwargs.get("store"))):
             _fail(problem)
-        tie_local_server()  # after the checks: bad input costs no server start-up
+        if _local_server_needed():  # after the checks: bad input costs no server start-up
+            from flows.local_server import tie_local_server  # imports Prefect's server (~1 s): only to start one
+
+            tie_local_server()
         # errors handled below get one line, so Prefect's console tracebacks of them are left out
         explained = (InputError, DrafterError, CheckpointError, BackendError)
-        with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)):
+        with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
+                inputs_checked_by_caller(inputs, arguments), _heartbeats_unless_asked():
             return evaluate_checkpoint(**kwargs)
     # CheckpointError: fetch refused what it got; BackendError: a reference server failed, refused or changed
     except (InputError, DrafterError, CheckpointError, BackendError) as e:
@@ -91,6 +107,28 @@ def _evaluate(**kwargs) -> dict:
         if not is_storage_full(e):
             raise
         _fail(storage_full_message(e, store_root(kwargs.get("store"))))
+
+
+@contextmanager
+def _heartbeats_unless_asked() -> Iterator[None]:
+    """Flow runs started here send no heartbeats unless $PREFECT_FLOWS_HEARTBEAT_FREQUENCY asks for them. They
+    only serve a server-side automation that marks runs whose process died as crashed (none by default), and
+    stopping the heartbeat thread, which sleeps in 1 s steps, cost each run 0.75 s after its end. Deployment
+    runs are started by a runner, which sets their heartbeats itself."""
+    if "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" in os.environ:
+        yield
+        return
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
+def _local_server_needed() -> bool:
+    """Whether flows in this process run against Prefect's temporary local server (no PREFECT_API_URL)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    return not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value()
 
 
 def _print_results(results: dict) -> None:
@@ -210,7 +248,7 @@ def run(
     temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE, baseline: str = BASELINE,
     report_dir: str = REPORT_DIR, reference_api_key_file: str = REFERENCE_API_KEY_FILE,
     drafter_config: str = DRAFTER_CONFIG, include: list[str] = INCLUDE, checkpoint_wait: float = CHECKPOINT_WAIT,
-    settle_seconds: float = SETTLE_SECONDS,
+    settle_seconds: float = SETTLE_SECONDS, threads: int = THREADS,
     diagnostics: bool = typer.Option(False, "--diagnostics", help="Also run the diagnostics: layer ablation, "
                                      "layer-offset probe, sliding switch, first divergences (drafter replays only)."),
     all_positions: bool = typer.Option(False, "--all-positions", help="Also score a block drafted at every position "
@@ -228,7 +266,7 @@ def run(
                         relay_token_file=relay_token_file, baseline=baseline, report_dir=report_dir,
                         reference_api_key_file=reference_api_key_file,
                         until="diagnostics" if diagnostics else "scores", all_positions=all_positions,
-                        **_checkpoint_options(drafter_config, include, checkpoint_wait, settle_seconds))
+                        threads=threads, **_checkpoint_options(drafter_config, include, checkpoint_wait, settle_seconds))
     _print_results(results)
     _write(results, out)
 
@@ -244,7 +282,7 @@ def stage(
     temperature: float = TEMPERATURE, relay_token_file: str = RELAY_TOKEN_FILE,
     reference_api_key_file: str = REFERENCE_API_KEY_FILE,
     drafter_config: str = DRAFTER_CONFIG, include: list[str] = INCLUDE, checkpoint_wait: float = CHECKPOINT_WAIT,
-    settle_seconds: float = SETTLE_SECONDS,
+    settle_seconds: float = SETTLE_SECONDS, threads: int = THREADS,
 ):
     """Run one stage by hand (and the stages it needs, from the store when they are there)."""
     from flows.evaluate import STAGES
@@ -256,7 +294,7 @@ def stage(
                         dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
                         reference=reference, lookahead=lookahead, concurrency=concurrency, temperature=temperature,
                         relay_token_file=relay_token_file, until=name, refresh=[name] if refresh else [],
-                        reference_api_key_file=reference_api_key_file,
+                        reference_api_key_file=reference_api_key_file, threads=threads,
                         **_checkpoint_options(drafter_config, include, checkpoint_wait, settle_seconds))
     _print_results(results)
     _write(results, out)
@@ -266,19 +304,22 @@ def stage(
 def demo(
     store: str = STORE,
     out: Path = typer.Option(None, "--out", help="Write each step's results JSON into this folder."),
+    threads: int = THREADS,
 ):
     """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved
     step through the full flow, print tau per step. No server, no GPU, no downloads."""
     from dflash_core.tiny_build import default_cache_root, tiny_run
 
     _check_out(out, folder=True)
+    _configure_threads(threads)  # before a first demo trains the tiny models
     tiny = tiny_run(default_cache_root(), log=typer.echo)
     typer.echo(f"tiny run: {tiny.root}")
     rows = []
     for checkpoint in tiny.drafter_steps:
         results = _evaluate(target=str(tiny.target_dir), drafter=str(checkpoint), prompts=str(tiny.prompts_file),
                             max_new_tokens=tiny.record["settings"]["max_new_tokens"], store=store,
-                            dtype="float32", device="cpu", sliding_semantics="causal", thinking=False)
+                            dtype="float32", device="cpu", sliding_semantics="causal", thinking=False,
+                            threads=threads)
         _print_results(results)
         _write(results, out / f"{checkpoint.name}.json" if out else None)
         rows.append((checkpoint.name, results))
@@ -300,6 +341,9 @@ def serve_reference(
                                           help="Model name in /v1/models and responses (default: the target folder name)."),
     api_key_file: str = typer.Option(None, "--api-key-file", help="File holding the API key clients must send "
                                      "(Authorization: Bearer), as SGLang's --api-key; /health needs none."),
+    threads: int = typer.Option(None, "--threads", min=1, help="CPU threads each generation computes with "
+                                "(default: $OMP_NUM_THREADS, else every core, fewer for a target this small that "
+                                "decodes faster so; see tasks/threads.py)."),
 ):
     """Serve the target's greedy completions over HTTP (SGLang /generate, OpenAI /v1/completions)
     until killed: a reference server for tests and for machines without SGLang or vLLM.
@@ -325,6 +369,7 @@ def serve_reference(
             choice = resolve_dtype(dtype, target)
             dtype = choice.name
             typer.echo(f"--dtype auto: {dtype} ({choice.note})" if choice.note else f"--dtype auto: {dtype}")
+        _configure_threads(threads if threads is not None else _decoding_threads(target))
         serve(target, host=host, port=port, dtype=dtype, served_model_name=served_model_name, device=device,
               log=typer.echo, api_key=api_key)
     except (ValueError, OSError) as e:  # no such target, port in use
@@ -380,6 +425,9 @@ def serve(
     baseline: str = BASELINE, drafter_config: str = DRAFTER_CONFIG, include: list[str] = INCLUDE,
     checkpoint_wait: float = CHECKPOINT_WAIT, settle_seconds: float = SETTLE_SECONDS,
     reference: str = REFERENCE, reference_api_key_file: str = REFERENCE_API_KEY_FILE, concurrency: int = CONCURRENCY,
+    threads: int = typer.Option(None, "--threads", min=1, help="CPU threads each evaluation computes with (the "
+                                "flow parameter `threads`; default: the cores / the machine's heavy-stage slots, "
+                                "see tasks/threads.py)."),
 ):
     """Serve the deployments on this machine without a work pool (Prefect serve), until interrupted:
     evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
@@ -398,6 +446,8 @@ def serve(
                   **_checkpoint_options(drafter_config, include, checkpoint_wait, settle_seconds)}
     if baseline:
         parameters["baseline"] = _absolute(baseline)
+    if threads is not None:
+        parameters["threads"] = threads
     serve_deployments(target=_absolute(target), prompts=_absolute(prompts), relay=relay,
                       store=str(Path(store).resolve()) if store else None, watch_interval=watch_interval,
                       max_new_tokens=max_new_tokens, parameters=parameters)
@@ -583,6 +633,7 @@ def tiny_build(
     target_steps: int = typer.Option(None, help="Target training steps (default: the architecture's)."),
     drafter_steps: int = typer.Option(None, help="Drafter training steps (default 400)."),
     save_every: int = typer.Option(None, help="Save a drafter checkpoint every N steps (default 100)."),
+    threads: int = THREADS,
 ):
     """Train a tiny target and a DFlash drafter run into OUT, and print tau per saved step.
 
@@ -592,6 +643,7 @@ def tiny_build(
 
     if arch not in ("qwen3", "qwen3_5"):
         raise typer.BadParameter(f"arch must be qwen3 or qwen3_5, got {arch!r}", param_hint="--arch")
+    _configure_threads(threads)
     settings = TinyBuildSettings(arch=arch, target_steps=target_steps)
     training = settings.drafter_training
     if drafter_steps is not None:
@@ -607,7 +659,16 @@ def tiny_build(
 
 
 def main():
-    app()
+    try:
+        app()
+    finally:
+        # The command is done. The interpreter's last garbage collection would walk the millions of objects
+        # torch, transformers and Prefect leave (1.5 s on 2 cores, after every other exit hook) to free memory
+        # the process is about to return anyway; frozen objects are left out of it. atexit hooks (Prefect's
+        # server shutdown, log flushing) still run, and so do destructors of objects freed by reference count.
+        import gc
+
+        gc.freeze()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ After scoring the flow rewrites the store's report and publishes Prefect artifac
 stable per target and prompt set (flows/artifacts.py).
 """
 
+import inspect
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,10 +38,12 @@ from tasks.diagnostics import diagnose, layers_needed
 from tasks.drafts import draft
 from tasks.features import extract_target_features
 from tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, await_checkpoint, fetch_checkpoint, read_config, source_step
+from tasks.heavy import heavy_stages_at_once
 from tasks.references import generate_references, load_prompts
 from tasks.scores import score
 from tasks.stage import refusals_fail_cleanly, run_entry
 from tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
+from tasks.threads import leases_threads, replay_threads
 
 STAGES = ("fetch", "references", "features", "drafts", "scores", "diagnostics")
 # What each stage needs done first (a hand-run stage runs these too; they are usually cached).
@@ -137,6 +142,40 @@ def check_inputs(
     return CheckedInputs(drafter=drafter_checkpoint, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers)
 
 
+# What check_inputs reads of the flow's parameters (temperature aside: the command line takes and checks it).
+CHECKED_PARAMETERS = ("target", "drafter", "prompts", "max_new_tokens", "dtype", "device", "sliding_semantics",
+                      "thinking", "reference", "relay_token_file", "baseline", "reference_api_key_file",
+                      "drafter_config", "include", "checkpoint_wait", "settle_seconds")
+_checked_by_caller = threading.local()
+
+
+def check_arguments(parameters: dict) -> dict:
+    """The check_inputs arguments of a run with these flow parameters (the flow's defaults for those not given)."""
+    defaults = inspect.signature(evaluate_checkpoint.fn).parameters
+    return {name: parameters.get(name, defaults[name].default) for name in CHECKED_PARAMETERS}
+
+
+@contextmanager
+def inputs_checked_by_caller(inputs: CheckedInputs, arguments: dict):
+    """Within it, the next evaluate_checkpoint run in this thread whose check_inputs arguments equal `arguments`
+    takes `inputs` instead of checking the same again: the command line checks before it starts the flow (bad
+    input then costs no server start-up), and a second check would load the tokenizer and ask a reference
+    server its probes once more."""
+    _checked_by_caller.held = (arguments, inputs)
+    try:
+        yield
+    finally:
+        _checked_by_caller.held = None
+
+
+def _check_once(arguments: dict) -> CheckedInputs:
+    held = getattr(_checked_by_caller, "held", None)
+    if held is not None and held[0] == arguments:
+        _checked_by_caller.held = None  # one run takes it
+        return held[1]
+    return check_inputs(**arguments)
+
+
 def _read_drafter_source(drafter: str, tokenizer, drafter_config: str | None = None, **wait_options) -> DrafterConfig:
     """The drafter's config, once its checkpoint is finished (waited for, bounded): read from a local
     folder or a relay (only config.json and the manifest travel: nothing is downloaded into the
@@ -168,6 +207,7 @@ def _run_name() -> str:
 
 @flow(name="evaluate-checkpoint", flow_run_name=_run_name, persist_result=False)
 @refusals_fail_cleanly(InputError, CheckpointError)
+@leases_threads(heavy_stages_at_once, invalid=InputError)
 def evaluate_checkpoint(
     target: str,
     drafter: str,
@@ -192,6 +232,7 @@ def evaluate_checkpoint(
     include: list[str] | None = None,
     checkpoint_wait: float = DEFAULT_WAIT_SECONDS,
     settle_seconds: float | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
@@ -211,15 +252,18 @@ def evaluate_checkpoint(
     as finished; default $DFLASH_SETTLE_SECONDS, else 30).
     dtype: auto (the target checkpoint's own; float16 ones compute in float32), float32 or bfloat16;
     resolved once before any stage, and the results record the resolved name (dtype_requested: what was asked).
+    threads: CPU threads this run computes with (None: the process's budget, set by the command line, else
+    this machine's cores / the heavy stages allowed at once on it; tasks/threads.py).
     Returns the results record (also what `dflash-eval run --out` writes).
     """
     # a deployment's templated parameters arrive as "" when their variable is unset
     reference = reference or "local"
     drafter_config, reference_api_key_file = drafter_config or None, reference_api_key_file or None
-    inputs = check_inputs(target, drafter, prompts, max_new_tokens, dtype, device, sliding_semantics, thinking,
-                          reference, relay_token_file=relay_token_file, baseline=baseline,
-                          reference_api_key_file=reference_api_key_file, drafter_config=drafter_config,
-                          include=include, checkpoint_wait=checkpoint_wait, settle_seconds=settle_seconds)
+    inputs = _check_once(dict(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens,
+                              dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
+                              reference=reference, relay_token_file=relay_token_file, baseline=baseline,
+                              reference_api_key_file=reference_api_key_file, drafter_config=drafter_config,
+                              include=include, checkpoint_wait=checkpoint_wait, settle_seconds=settle_seconds))
     refresh = set(refresh or ())
     unknown = refresh - set(STAGES)
     if unknown:
@@ -269,17 +313,22 @@ def evaluate_checkpoint(
         features = step("features", extract_target_features, target, refs, tuple(sorted(wanted)), dtype=dtype,
                         device=device)
     if "drafts" in run:
-        drafts = step("drafts", draft, checkpoint, features, refs, target,
-                      sliding_semantics=sliding_semantics, dtype=dtype, device=device, all_positions=all_positions)
+        # the replay's ops are a drafter forward over a batch of blocks: few threads for a small drafter
+        with replay_threads(checkpoint.path, refs.n, inputs.drafter.block_size):
+            drafts = step("drafts", draft, checkpoint, features, refs, target,
+                          sliding_semantics=sliding_semantics, dtype=dtype, device=device, all_positions=all_positions)
     if "scores" in run:
         scores = step("scores", score, drafts, refs)
     if with_baseline:
-        baseline_drafts = step("drafts", draft, baseline_checkpoint, features, refs, target, name="baseline drafts",
-                               sliding_semantics=sliding_semantics, dtype=dtype, device=device,
-                               all_positions=all_positions)
+        with replay_threads(baseline_checkpoint.path, refs.n, inputs.drafter.block_size):
+            baseline_drafts = step("drafts", draft, baseline_checkpoint, features, refs, target,
+                                   name="baseline drafts", sliding_semantics=sliding_semantics, dtype=dtype,
+                                   device=device, all_positions=all_positions)
         step("scores", score, baseline_drafts, refs, name="baseline scores")
     if "diagnostics" in run:
-        step("diagnostics", diagnose, checkpoint, features, refs, drafts, scores, target, dtype=dtype, device=device)
+        with replay_threads(checkpoint.path, refs.n, inputs.drafter.block_size):
+            step("diagnostics", diagnose, checkpoint, features, refs, drafts, scores, target, dtype=dtype,
+                 device=device)
 
     results = read_json(outputs["scores"].path) if "scores" in run else {}
     results.update({

@@ -78,12 +78,13 @@ def draft(
         items = load_references(refs)
         feature_reader = FeatureReader(features, refs, target_dir, store_root, dtype, device)
         results = []
-        # Groups of prompts: only one group's features are in memory (a large target's are ~100 MB
-        # per prompt), and a group still fills replay's batches of 64 blocks.
+        # Groups of prompts: replay reads one prompt's features at a time (a large target's are
+        # ~50 KB per token) and keeps only a group's context keys/values, and a group still fills
+        # replay's batches of 64 blocks.
         with StageProgress(STAGE, "prompts drafted", len(items)) as progress:
             for start in range(0, len(items), PROMPTS_PER_GROUP):
                 group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
-                feats = [feature_reader.read(drafter.target_layer_ids, n).to(device) for n in group]
+                feats = (feature_reader.read(drafter.target_layer_ids, n).to(device) for n in group)
                 results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats,
                                   all_positions=all_positions)
                 progress.update(len(results))

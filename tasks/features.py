@@ -28,6 +28,7 @@ from .progress import StageProgress, stage_logger
 from .references import ReferenceSet, load_references
 from .stage import cached, report_refresh, stale_labels, warn_stale
 from .target import loaded_target, target_key
+from .threads import compute_threads, parameter_count
 
 STAGE = "features"
 # Bump when extraction changes what it stores (part of the key).
@@ -179,8 +180,11 @@ def _extract(target_dir, refs, missing, feature_store, dtype, device) -> None:
     batches = [b for b in length_sorted_batches([len(s) for s in sequences], BATCH_SIZE)
                if any(n in missing_by_seq for n in b)]
     target = loaded_target(target_dir, dtype, device)
+    # a forward processes a batch's tokens: a small target on short sequences computes faster on fewer threads
+    tokens_per_forward = max(len(b) * max(len(sequences[n]) for n in b) for b in batches)
     done = 0
-    with StageProgress(STAGE, "target hidden states", sum(len(b) for b in batches)) as progress:
+    with StageProgress(STAGE, "target hidden states", sum(len(b) for b in batches)) as progress, \
+            compute_threads(work_per_op=parameter_count(target.model) * tokens_per_forward):
         for batch in batches:
             layers = sorted(set().union(*(missing_by_seq.get(n, set()) for n in batch)))
             out = extract_features(target, [sequences[n] for n in batch], layers, batch_size=len(batch))

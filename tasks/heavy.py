@@ -8,6 +8,8 @@ Only deployment runs take slots. They need a real `prefect server start`, whose 
 the slot of a run that died holding it once its 60 s lease lapses. The temporary server of a run by
 hand has no repossessor, so a killed `dflash-eval run` would hold its slot for good; runs by hand
 rely on the store's entry locks alone (two of them never compute the same entry twice).
+
+A deployment run's default thread budget is the machine's cores divided by the slots (tasks/threads.py).
 """
 
 import re
@@ -33,15 +35,29 @@ def heavy_limit_name() -> str:
 
 
 @lru_cache(maxsize=None)
-def _ensure_limit(name: str, api_url: str) -> None:
+def _ensure_limit(name: str, api_url: str) -> int:
+    """Creates the limit `name` on the server at `api_url` if it is not there; returns its slots."""
     with get_client(sync_client=True) as client:
         try:
-            client.read_global_concurrency_limit_by_name(name)
+            return client.read_global_concurrency_limit_by_name(name).limit
         except ObjectNotFound:
             try:
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=DEFAULT_SLOTS))
             except ObjectAlreadyExists:  # another run created it first
-                pass
+                return client.read_global_concurrency_limit_by_name(name).limit
+            return DEFAULT_SLOTS
+
+
+def heavy_stages_at_once() -> int | None:
+    """How many heavy stages may compute at once on this machine, as this run sees it: the machine's
+    heavy-stage limit in a deployment run (read from the server; created with DEFAULT_SLOTS); None in a run
+    by hand, which takes no slot (tasks/threads.py then counts the runs by hand computing at once). The
+    default thread budget divides the cores by it."""
+    from prefect.settings import PREFECT_API_URL
+
+    if deployment.id is None:
+        return None
+    return max(1, _ensure_limit(heavy_limit_name(), str(PREFECT_API_URL.value())))
 
 
 @contextmanager

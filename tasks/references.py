@@ -12,6 +12,7 @@ digest is in the key, so other weights at the same path get an entry of their ow
 
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from storage import Store, key_of, read_json, write_json_atomic
 from .progress import StageProgress, stage_logger
 from .stage import cached, run_entry
 from .target import loaded_target, target_key
+from .threads import compute_threads, parameter_count
 
 STAGE = "references"
 FINGERPRINT_FILE = "fingerprint.json"  # the server's fingerprint when the entry was begun
@@ -180,8 +182,13 @@ def generate_references(
     if reference == "local":
         backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
                                {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type})
+
+        def decoding_threads():
+            # one token per forward: a small target decodes faster on fewer threads (tasks/threads.py)
+            return compute_threads(work_per_op=parameter_count(backend.load_target().model))
     else:
         backend = open_backend(reference, tokenizer, api_key_file=reference_api_key_file, concurrency=concurrency)
+        decoding_threads = nullcontext  # the server decodes; this process only tokenizes
     key = key_of({
         "prompts": prompt_set_identity(prompts), "thinking": thinking,
         "target": target_key(target_dir, store), "backend": backend.identity,
@@ -199,7 +206,8 @@ def generate_references(
         def one_prompt(n):
             if failed.is_set():  # after a failure, start no new prompt (those running still finish)
                 return None
-            return generate_turns(backend, tokenizer, prompts[n], max_new_tokens, stop_ids, lookahead, thinking)
+            with decoding_threads():  # on this worker thread, which is where torch runs the decoding
+                return generate_turns(backend, tokenizer, prompts[n], max_new_tokens, stop_ids, lookahead, thinking)
 
         failure = None
         with StageProgress(STAGE, "greedy references", len(prompts)) as progress, \
