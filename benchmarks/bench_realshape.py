@@ -246,6 +246,12 @@ def extrapolation(drafts: dict, extraction: dict, threads: int) -> str:
     return "\n".join(rows)
 
 
+def rate_line(result: dict) -> str:
+    rate = result["gflop"] / result["seconds"]
+    return (f"  {rate:.0f} GFLOP/s vs {result['gemm_gflops']:.0f} GFLOP/s bf16 GEMM of the same shapes: ratio "
+            f"{rate / result['gemm_gflops']:.2f}; peak RSS {result['peak_rss_gb']:.1f} GB")
+
+
 def hours(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
@@ -273,19 +279,15 @@ def main():
     for stage, refs, prompt_len in (("drafts", args.refs, args.prompt_len), ("long-drafts", 1, args.long_tokens)):
         if stage in found:
             d = found[stage]
-            rate = d["gflop"] / d["seconds"]
             print(f"{stage}: {refs} references x ({prompt_len} + {args.new_tokens}) tokens, {d['blocks']} blocks in "
                   f"{d['seconds']:.1f} s ({d['seconds'] / d['blocks'] * 1e3:.0f} ms per block)")
-            print(f"  {rate:.0f} GFLOP/s vs {d['gemm_gflops']:.0f} GFLOP/s bf16 GEMM of the same shapes: "
-                  f"ratio {rate / d['gemm_gflops']:.2f} (target >= 0.75); peak RSS {d['peak_rss_gb']:.1f} GB")
+            print(rate_line(d) + " (target >= 0.75)")
     for stage in ("extraction", "long-extraction"):
         if stage in found:
             e = found[stage]
-            rate = e["gflop"] / e["seconds"]
             print(f"{stage}: {e['layers']} layers (Gated DeltaNet x3 + full attention) over {e['tokens']} tokens in "
-                  f"{e['seconds']:.1f} s ({e['tokens'] / e['seconds']:.0f} tokens/s through the 4 layers)")
-            print(f"  {rate:.0f} GFLOP/s vs {e['gemm_gflops']:.0f} GFLOP/s bf16 GEMM of the same shapes: "
-                  f"ratio {rate / e['gemm_gflops']:.2f}; peak RSS {e['peak_rss_gb']:.1f} GB")
+                  f"{e['seconds']:.1f} s ({e['tokens'] / e['seconds']:.0f} tokens/s through the {e['layers']} layers)")
+            print(rate_line(e))
     if "agreement" in found:
         a = found["agreement"]
         print(f"bf16 vs float32 drafts (tiny trained run, same float32 features): {a['identical']}/{a['positions']} "
