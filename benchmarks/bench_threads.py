@@ -12,7 +12,7 @@ memory), and times the ops the stages run, in one process:
 each with 1 thread (the baseline) and with N threads (default: this machine's cores), alternating, best
 of --repeat, on an otherwise idle machine and with one other process keeping one core busy (another run, another agent). Prints the
 work per op (parameters x tokens one forward processes, what tasks/threads.py's rule reads) and the
-ratio N threads / 1 thread (below 1: more threads are faster). tasks/threads.py's WORK_PER_THREAD
+ratio N threads / 1 thread (below 1: more threads are faster). tasks/threads.py's SMALL_OP_WORK
 was chosen from these numbers.
 
 Run: .venv/bin/python benchmarks/bench_threads.py [--threads 2] [--repeat 3] [--sizes tiny,small,medium]

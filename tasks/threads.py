@@ -21,9 +21,12 @@ the run:
   lease divides the cores by the processes registered at that moment: one run alone gets every core,
   three started together get a third each. Deployment runs are not counted (the slots share them out).
 
-Per op size (`threads_for`): a stage whose ops are small (greedy decoding: one token per forward; a
-small drafter's replay) computes on fewer threads than that: one thread per WORK_PER_THREAD of work
-per op (parameters x tokens one forward processes), from benchmarks/bench_threads.py.
+Per op size (`threads_for`): a stage whose ops are small (greedy decoding of a small model: one token
+per forward; a small drafter's replay) computes on one thread: below SMALL_OP_WORK of work per op
+(parameters x tokens one forward processes, from benchmarks/bench_threads.py) a second thread gains
+little and can cost 10x. Larger ops get the whole budget: each of them lasts long enough that waiting
+for a descheduled thread costs little, and the big models' ops (a 27B target decoding: a pass over
+54 GB of weights per token) are bound by memory bandwidth, which grows with the threads reading it.
 
 Leases (`compute_threads`): torch's thread count is per OS thread here (the OpenMP backend of the CPU
 wheels: torch.set_num_threads sets the calling thread's count, and the count of threads that have
@@ -54,14 +57,14 @@ from pathlib import Path
 
 import torch
 
-# One thread per this much work per op (parameters x tokens processed by one forward). benchmarks/bench_threads.py
+# Ops below this much work (parameters x tokens processed by one forward) compute on one thread. bench_threads.py
 # on 2 cores, 2 threads / 1 thread: when the machine was otherwise idle, greedy decoding up to the 125M-parameter
 # target (work 1.2e8) gained nothing from a second thread (0.97-0.99), replays of 3.5M and 7.5M drafters (work
 # 2e9 and 4e9) took 0.78 of the time, forwards of 8 x 128 tokens of the 16M and 125M targets (2e10, 1e11) 0.53-0.56;
 # whenever another process kept a core busy, 2 threads were slower for every op (1.2-3x, and 10-60x for the tiny
 # models' ops, which then wait for a thread that is not scheduled). So below ~2e9 a second thread gains at most
 # ~20% and can cost 10x: the threshold errs to 1 thread there.
-WORK_PER_THREAD = 3e9
+SMALL_OP_WORK = 3e9
 # Where runs by hand on this machine register while they run (local to the machine: never the home folder,
 # which may be shared by several machines).
 RUNS_BY_HAND_DIR = Path(tempfile.gettempdir()) / f"dflash-eval-{os.getuid() if hasattr(os, 'getuid') else 0}" / "runs"
@@ -92,9 +95,9 @@ def default_threads(heavy_at_once: int = 1, cores: int | None = None) -> int:
 
 
 def threads_for(work_per_op: float, budget: int) -> int:
-    """Threads for ops of `work_per_op` (parameters x tokens one forward processes): one per
-    WORK_PER_THREAD, at least 1, at most `budget`."""
-    return max(1, min(budget, math.ceil(work_per_op / WORK_PER_THREAD)))
+    """Threads for ops of `work_per_op` (parameters x tokens one forward processes): 1 below
+    SMALL_OP_WORK, else the whole `budget`."""
+    return 1 if work_per_op <= SMALL_OP_WORK else max(1, budget)
 
 
 def parameter_count(module: torch.nn.Module) -> int:

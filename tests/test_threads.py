@@ -45,13 +45,13 @@ def test_omp_num_threads_is_an_explicit_choice(monkeypatch):
     assert default_threads(2, cores=8) == 4
 
 
-def test_small_ops_get_fewer_threads():
-    per_thread = threads.WORK_PER_THREAD
+def test_small_ops_get_one_thread_and_large_ones_the_budget():
+    small = threads.SMALL_OP_WORK
     assert threads_for(1e3, budget=8) == 1
-    assert threads_for(per_thread, budget=8) == 1
-    assert threads_for(2.5 * per_thread, budget=8) == 3
-    assert threads_for(1e6 * per_thread, budget=8) == 8
-    assert threads_for(1e6 * per_thread, budget=1) == 1
+    assert threads_for(small, budget=8) == 1
+    assert threads_for(2.5 * small, budget=8) == 8  # e.g. the 8 x 128-token forwards of a 125M target
+    assert threads_for(1e6 * small, budget=8) == 8
+    assert threads_for(1e6 * small, budget=1) == 1
 
 
 def test_concurrent_leases_share_the_budget_instead_of_each_taking_all():
