@@ -39,14 +39,31 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 HIDDEN, VOCAB, BLOCK = 5120, 248320, 16
 FEATURE_LAYERS = (1, 16, 31, 46, 61)
-DRAFTER = {
-    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN, "num_hidden_layers": 5,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 17408,
-    "rms_norm_eps": 1e-6, "rope_theta": 1e7, "max_position_embeddings": 262144, "vocab_size": VOCAB,
-    "block_size": BLOCK, "num_target_layers": 64,
-    "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "sliding_window": 2048,
-    "dflash_config": {"target_layer_ids": list(FEATURE_LAYERS), "mask_token_id": 248070},
-}
+
+
+def real_shape_drafter(layers: int = 5, vocab: int = VOCAB, device="cpu", dtype=torch.bfloat16):
+    """The published Qwen3.6-27B drafter's shape (sliding layers, then one full) with random weights (std
+    0.02 normal, norms 1); fewer layers or a smaller vocabulary for smoke runs (benchmarks/gpu_check.py)."""
+    from dflash_core.drafter import DFlashDrafter, DrafterConfig
+
+    config = DrafterConfig.from_dict({
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 17408, "rms_norm_eps": 1e-6, "rope_theta": 1e7, "max_position_embeddings": 262144,
+        "vocab_size": vocab, "block_size": BLOCK, "num_target_layers": 64,
+        "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"], "sliding_window": 2048,
+        "dflash_config": {"target_layer_ids": list(FEATURE_LAYERS), "mask_token_id": min(248070, vocab - 1)},
+    }, source="the Qwen3.6-27B drafter shape")
+    # built on the meta device, then filled in bf16 directly (a float32 init of 1.7B parameters is minutes)
+    with torch.device("meta"):
+        drafter = DFlashDrafter(config)
+    drafter = drafter.to(dtype).to_empty(device=device).eval()
+    drafter.rotary = Qwen3RotaryEmbedding(config.rope).to(device)  # float32 rope frequencies, as load_drafter keeps
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.02) if p.ndim == 2 else p.fill_(1.0)
+    return drafter
+
 TARGET_LAYERS = ["linear_attention"] * 3 + ["full_attention"]  # one repeat of Qwen3.6-27B's 64 layers
 # Extraction's cost per token at 2k tokens against 512 (attention grows with length): measured here, one 8k
 # prompt cost 1.38x per token what 4 x 512 did; interpolated linearly to 2k.
@@ -86,18 +103,10 @@ def random_bf16(*shape, std=0.02) -> torch.Tensor:
 
 
 def stage_drafts(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
-    from dflash_core.drafter import DFlashDrafter, DrafterConfig
     from dflash_core.replay import Reference, replay
 
     torch.manual_seed(0)
-    config = DrafterConfig.from_dict(DRAFTER)
-    with torch.device("meta"):  # then filled in bf16 directly, as load_drafter does
-        drafter = DFlashDrafter(config)
-    drafter = drafter.to_empty(device="cpu").to(torch.bfloat16).eval()
-    drafter.rotary = Qwen3RotaryEmbedding(config.rope)  # float32 rope frequencies, as load_drafter keeps them
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.02) if p.ndim == 2 else p.fill_(1.0)
+    drafter = real_shape_drafter()
     embed, head = random_bf16(VOCAB, HIDDEN), random_bf16(VOCAB, HIDDEN)
     length = prompt_len + new_tokens
     refs = [Reference(prompt_len, torch.randint(0, VOCAB, (length,)).tolist()) for _ in range(n_refs)]
@@ -114,10 +123,10 @@ def stage_drafts(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
                                               layer.mlp.down_proj)]
     rate = gemm_rate(shapes, m=min(n_refs, 64) * BLOCK)
     return {"seconds": seconds, "blocks": sum(len(r.acceptance_lengths) for r in results),
-            "gflop": replay_gflop(config, refs, results), "gemm_gflops": rate, "peak_rss_gb": peak_rss_gb()}
+            "gflop": replay_gflop(drafter.cfg, refs, results, VOCAB), "gemm_gflops": rate, "peak_rss_gb": peak_rss_gb()}
 
 
-def replay_gflop(cfg, refs, results) -> float:
+def replay_gflop(cfg, refs, results, vocab: int) -> float:
     """The arithmetic a replay cannot do without, in GFLOP: context projections once per reference; per
     block its layers and its attention over the context it sees, and the lm_head at the positions up to
     the first mismatch (positions past it cannot change the answer, so they count as waste)."""
@@ -133,7 +142,7 @@ def replay_gflop(cfg, refs, results) -> float:
                 seen = start if kind == "full_attention" else min(start, cfg.sliding_window)
                 flop += 4 * B * heads * hd * (seen + B)
             compared = min(B - 1, len(ref.token_ids) - 1 - start)
-            flop += 2 * H * VOCAB * (step if rejected != -1 else compared)
+            flop += 2 * H * vocab * (step if rejected != -1 else compared)
     return flop / 1e9
 
 

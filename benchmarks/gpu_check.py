@@ -10,8 +10,8 @@ One command that needs nothing but the repo (no downloads, no network), to be ru
      starts and acceptance lengths must be equal step by step.
   2. The drafts stage at the published Qwen3.6-27B drafter shape, bf16, random weights: hidden 5120, 5 layers
      (4 sliding of window 2048, then 1 full), 32 heads of 128, 4 kv heads, intermediate 17408, vocab 248320,
-     block 16, 5 target layers of features. Times replay(), counts its FLOPs (torch FlopCounterMode: matmuls and
-     the attention kernels it knows), and prints its GFLOP/s against bf16 GEMMs of the layers' projections at
+     block 16, 5 target layers of features (benchmarks/bench_realshape.py builds it). Times replay(), counts the
+     FLOPs it cannot skip (bench_realshape.replay_gflop), and prints its GFLOP/s against bf16 GEMMs of the layers' projections at
      M = blocks per batch x block size, timed in the same process; and the peak CUDA memory.
   3. CPU vs device: the tiny replay of check 1's references on the CPU; float32 must be identical, bfloat16 is
      reported (fraction of references identical, tau difference).
@@ -33,13 +33,12 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.flop_counter import FlopCounterMode
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a plain checkout, not installed too
+from benchmarks.bench_realshape import real_shape_drafter, replay_gflop
 from dflash_core.decoding import greedy_decode, speculative_decode
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, load_drafter
+from dflash_core.drafter import load_drafter
 from dflash_core.features import extract_features
 from dflash_core.replay import Reference, replay
 from dflash_core.target import load_target
@@ -95,30 +94,6 @@ def check_cpu_agreement(run, references, device, device_fp32):
     return fp32_same, bf16_same, tau(cpu_bf16) - tau(dev_bf16), tau(dev_bf16)
 
 
-def real_shape_drafter(layers: int, vocab: int, device, dtype=torch.bfloat16) -> DFlashDrafter:
-    """The published Qwen3.6-27B drafter shape with random weights (std 0.02 normal, norms 1)."""
-    raw = {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 5120,
-        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "intermediate_size": 17408, "rms_norm_eps": 1e-6, "rope_theta": 10_000_000.0,
-        "max_position_embeddings": 262144, "vocab_size": vocab,
-        "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"], "sliding_window": 2048,
-        "block_size": 16, "num_target_layers": 64,
-        "dflash_config": {"target_layer_ids": [1, 16, 31, 46, 61], "mask_token_id": vocab - 1},
-    }
-    cfg = DrafterConfig.from_dict(raw, source="gpu_check real shape")
-    # Built on the meta device and materialised in bf16 on the target device: a float32 default init of
-    # 1.7B parameters would need 6.8 GB and minutes on a CPU before being thrown away.
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg)
-    model = model.to(dtype).to_empty(device=device)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.02) if p.ndim == 2 else p.fill_(1.0)
-    model.rotary = Qwen3RotaryEmbedding(cfg.rope).to(device)  # float32 rope frequencies, as load_drafter keeps them
-    return model.eval()
-
-
 def best_time(fn, device, repeats: int) -> float:
     """Best wall-clock seconds of `repeats` calls after one warm-up call."""
     fn()
@@ -149,9 +124,8 @@ def check_real_shape(args, device):
         torch.cuda.reset_peak_memory_stats()
     t_stage = best_time(run, device, args.repeats)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-    with FlopCounterMode(display=False) as counter:  # a separate pass: counting slows it down
-        results = run()
-    flops = counter.get_total_flops()
+    results = run()
+    flops = replay_gflop(drafter.cfg, refs, results, args.real_vocab) * 1e9  # what the replay cannot skip
 
     # The projections of every layer at M = blocks per decode batch x block size (replay batches <= 64 blocks)
     M = min(len(refs), 64) * drafter.block_size

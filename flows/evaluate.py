@@ -43,7 +43,7 @@ from tasks.references import generate_references, load_prompts
 from tasks.scores import score
 from tasks.stage import refusals_fail_cleanly, run_entry
 from tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
-from tasks.threads import leases_threads, replay_threads
+from tasks.threads import leases_threads
 
 STAGES = ("fetch", "references", "features", "drafts", "scores", "diagnostics")
 # What each stage needs done first (a hand-run stage runs these too; they are usually cached).
@@ -259,11 +259,7 @@ def evaluate_checkpoint(
     # a deployment's templated parameters arrive as "" when their variable is unset
     reference = reference or "local"
     drafter_config, reference_api_key_file = drafter_config or None, reference_api_key_file or None
-    inputs = _check_once(dict(target=target, drafter=drafter, prompts=prompts, max_new_tokens=max_new_tokens,
-                              dtype=dtype, device=device, sliding_semantics=sliding_semantics, thinking=thinking,
-                              reference=reference, relay_token_file=relay_token_file, baseline=baseline,
-                              reference_api_key_file=reference_api_key_file, drafter_config=drafter_config,
-                              include=include, checkpoint_wait=checkpoint_wait, settle_seconds=settle_seconds))
+    inputs = _check_once(check_arguments(locals()))  # the parameters, as normalised just above
     refresh = set(refresh or ())
     unknown = refresh - set(STAGES)
     if unknown:
@@ -313,22 +309,17 @@ def evaluate_checkpoint(
         features = step("features", extract_target_features, target, refs, tuple(sorted(wanted)), dtype=dtype,
                         device=device)
     if "drafts" in run:
-        # the replay's ops are a drafter forward over a batch of blocks: few threads for a small drafter
-        with replay_threads(checkpoint.path, refs.n, inputs.drafter.block_size):
-            drafts = step("drafts", draft, checkpoint, features, refs, target,
-                          sliding_semantics=sliding_semantics, dtype=dtype, device=device, all_positions=all_positions)
+        drafts = step("drafts", draft, checkpoint, features, refs, target,
+                      sliding_semantics=sliding_semantics, dtype=dtype, device=device, all_positions=all_positions)
     if "scores" in run:
         scores = step("scores", score, drafts, refs)
     if with_baseline:
-        with replay_threads(baseline_checkpoint.path, refs.n, inputs.drafter.block_size):
-            baseline_drafts = step("drafts", draft, baseline_checkpoint, features, refs, target,
-                                   name="baseline drafts", sliding_semantics=sliding_semantics, dtype=dtype,
-                                   device=device, all_positions=all_positions)
+        baseline_drafts = step("drafts", draft, baseline_checkpoint, features, refs, target, name="baseline drafts",
+                               sliding_semantics=sliding_semantics, dtype=dtype, device=device,
+                               all_positions=all_positions)
         step("scores", score, baseline_drafts, refs, name="baseline scores")
     if "diagnostics" in run:
-        with replay_threads(checkpoint.path, refs.n, inputs.drafter.block_size):
-            step("diagnostics", diagnose, checkpoint, features, refs, drafts, scores, target, dtype=dtype,
-                 device=device)
+        step("diagnostics", diagnose, checkpoint, features, refs, drafts, scores, target, dtype=dtype, device=device)
 
     results = read_json(outputs["scores"].path) if "scores" in run else {}
     results.update({

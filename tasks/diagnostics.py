@@ -26,6 +26,7 @@ from .references import ReferenceSet, load_references
 from .scores import Scores
 from .stage import cached, run_entry
 from .target import DTYPES, target_tokenizer
+from .threads import replay_threads
 
 STAGE = "diagnostics"
 # Bump when what the diagnostics compute changes (part of the key).
@@ -91,7 +92,7 @@ def diagnose(
         needed = layers_needed(ids, num_layers)
         results: dict[str, list[ReplayResult]] = {v.name: [] for v in variants}
         switched_results, examples = [], []
-        with StageProgress(STAGE, "prompts diagnosed", len(items)) as progress:
+        with StageProgress(STAGE, "prompts diagnosed", len(items)) as progress, replay_threads(drafter, len(items)):
             for start in range(0, len(items), PROMPTS_PER_GROUP):
                 group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
                 by_layer = []

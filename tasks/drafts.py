@@ -26,6 +26,7 @@ from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .stage import cached, run_entry
 from .target import DTYPES, target_tokenizer
+from .threads import replay_threads
 
 STAGE = "drafts"
 # Bump when replay changes what it records (part of the key).
@@ -81,7 +82,7 @@ def draft(
         # Groups of prompts: replay reads one prompt's features at a time (a large target's are
         # ~50 KB per token) and keeps only a group's context keys/values, and a group still fills
         # replay's batches of 64 blocks.
-        with StageProgress(STAGE, "prompts drafted", len(items)) as progress:
+        with StageProgress(STAGE, "prompts drafted", len(items)) as progress, replay_threads(drafter, len(items)):
             for start in range(0, len(items), PROMPTS_PER_GROUP):
                 group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
                 feats = (feature_reader.read(drafter.target_layer_ids, n).to(device) for n in group)

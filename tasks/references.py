@@ -10,6 +10,7 @@ two models. The local backend needs none: the weights it decodes with are the on
 digest is in the key, so other weights at the same path get an entry of their own.
 """
 
+import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import nullcontext
@@ -183,9 +184,13 @@ def generate_references(
         backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
                                {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type})
 
+        @functools.cache  # once, on the first prompt decoded (cached references load no target)
+        def target_parameters() -> int:
+            return parameter_count(backend.load_target().model)
+
         def decoding_threads():
             # one token per forward: a small target decodes faster on fewer threads (tasks/threads.py)
-            return compute_threads(work_per_op=parameter_count(backend.load_target().model))
+            return compute_threads(work_per_op=target_parameters())
     else:
         backend = open_backend(reference, tokenizer, api_key_file=reference_api_key_file, concurrency=concurrency)
         decoding_threads = nullcontext  # the server decodes; this process only tokenizes

@@ -292,11 +292,11 @@ def compute_threads(work_per_op: float | None = None) -> Iterator[int]:
         yield n
 
 
-def replay_threads(drafter_dir, references: int, block_size: int, max_blocks: int = 64):
-    """compute_threads for replaying the drafter checkpoint at `drafter_dir` over `references` references
-    (the drafts and diagnostics stages): each of its forwards drafts up to `max_blocks` blocks of
-    `block_size` tokens at once (dflash_core.replay), one per reference still decoding."""
-    return compute_threads(work_per_op=checkpoint_parameters(drafter_dir) * min(references, max_blocks) * block_size)
+def replay_threads(drafter: torch.nn.Module, references: int, max_blocks: int = 64):
+    """compute_threads for replaying the loaded `drafter` over `references` references (the drafts and
+    diagnostics stages): each of its forwards drafts up to `max_blocks` blocks of its block size at once
+    (dflash_core.replay), one per reference still decoding."""
+    return compute_threads(work_per_op=parameter_count(drafter) * min(references, max_blocks) * drafter.block_size)
 
 
 def leases_threads(heavy_at_once: Callable[[], int | None] = lambda: None, invalid: type[Exception] = ValueError):
