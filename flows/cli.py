@@ -428,10 +428,13 @@ def serve(
     threads: int = typer.Option(None, "--threads", min=1, help="CPU threads each evaluation computes with (the "
                                 "flow parameter `threads`; default: the cores / the machine's heavy-stage slots, "
                                 "see tasks/threads.py)."),
+    poll_seconds: int = typer.Option(1, "--poll-seconds", min=1, help="How often to ask the server for flow runs "
+                                     "to start (Prefect's own default is 10 s; each ask is one small query)."),
 ):
-    """Serve the deployments on this machine without a work pool (Prefect serve), until interrupted:
+    """Serve the deployments on this machine without a work pool (Prefect's runner), until interrupted:
     evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
-    rerun-<stage>. Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api."""
+    rerun-<stage>. Each flow run is a fork of a process that has imported torch and the flows already
+    (flows/warm_runs.py). Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api."""
     import os
 
     from flows.deployments import serve_deployments
@@ -448,7 +451,7 @@ def serve(
         parameters["baseline"] = _absolute(baseline)
     if threads is not None:
         parameters["threads"] = threads
-    serve_deployments(target=_absolute(target), prompts=_absolute(prompts), relay=relay,
+    serve_deployments(poll_seconds=poll_seconds, target=_absolute(target), prompts=_absolute(prompts), relay=relay,
                       store=str(Path(store).resolve()) if store else None, watch_interval=watch_interval,
                       max_new_tokens=max_new_tokens, parameters=parameters)
 

@@ -10,11 +10,16 @@
 prefect.yaml declares the same deployments for the work-pool route (several machines, README).
 """
 
-from prefect import serve
+import asyncio
+
+from prefect import Flow
+from prefect.exceptions import TerminationSignal
+from prefect.runner import Runner
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 
 from .evaluate import STAGES, evaluate_checkpoint
 from .notify import EVENT, RESOURCE_PREFIX
+from .warm_runs import start_flow_runs_from_forkserver
 from .watch import watch_relay
 
 
@@ -29,29 +34,46 @@ def checkpoint_saved_trigger() -> DeploymentEventTrigger:
 
 
 def build_deployments(target: str, prompts: str, store: str | None = None, relay: str | None = None,
-                      watch_interval: float = 300, max_new_tokens: int = 256, parameters: dict | None = None) -> list:
-    """The deployments `dflash-eval serve` serves (RunnerDeployments, not yet registered)."""
+                      watch_interval: float = 300, max_new_tokens: int = 256,
+                      parameters: dict | None = None) -> list[tuple[Flow, dict]]:
+    """The deployments `dflash-eval serve` serves: (flow, Runner.add_flow's keyword arguments) each."""
     settings = {"target": target, "prompts": prompts, "store": store, "max_new_tokens": max_new_tokens,
                 **(parameters or {})}
-    deployments = [evaluate_checkpoint.to_deployment(
+    deployments = [(evaluate_checkpoint, dict(
         name="evaluate-checkpoint", parameters=settings, triggers=[checkpoint_saved_trigger()],
         description="Score a drafter checkpoint; started by each dflash.checkpoint.saved event.",
-    )]
+    ))]
     if relay:
-        deployments.append(watch_relay.to_deployment(
+        deployments.append((watch_relay, dict(
             name="watch-relay", interval=watch_interval,
             parameters={"relay": relay, "target": target, "prompts": prompts, "store": store,
                         "max_new_tokens": max_new_tokens, "parameters": parameters or {}},
             description=f"Start evaluations of the checkpoints on {relay} not scored yet, oldest step first.",
-        ))
+        )))
     for stage in STAGES:
-        deployments.append(evaluate_checkpoint.to_deployment(
+        deployments.append((evaluate_checkpoint, dict(
             name=f"rerun-{stage}", parameters={**settings, "until": stage, "refresh": [stage]},
             description=f"Recompute the {stage} stage of one checkpoint (give `drafter`); what it needs comes from the store.",
-        ))
+        )))
     return deployments
 
 
-def serve_deployments(**kwargs) -> None:
-    """Register the deployments and run their flow runs from this process until interrupted."""
-    serve(*build_deployments(**kwargs))
+def serve_deployments(poll_seconds: int = 1, **kwargs) -> None:
+    """Register the deployments and run their flow runs from this process until interrupted.
+
+    Each flow run is a fork of a forkserver that has imported the flows (flows/warm_runs.py). That needs
+    the flow objects given to the runner (`add_flow`): a deployment given alone (`prefect.serve`) has its
+    runs started as `python -m prefect.engine`, which imports everything again (4 s per run).
+    poll_seconds: how often the runner asks the server for runs to start (Prefect's default: 10 s).
+    """
+    start_flow_runs_from_forkserver()
+    runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)
+    deployments = build_deployments(**kwargs)
+    for flow, options in deployments:
+        runner.add_flow(flow, **options)
+    print(f"serving {', '.join(options['name'] for _, options in deployments)} (looking for runs every "
+          f"{poll_seconds} s); Ctrl+C stops", flush=True)
+    try:
+        asyncio.run(runner.start())
+    except (KeyboardInterrupt, TerminationSignal):
+        pass
