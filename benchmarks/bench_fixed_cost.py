@@ -32,6 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
+from flows.evaluate import run_name
 
 BIN = Path(sys.executable).parent
 
@@ -109,7 +110,8 @@ def start_serve(env: dict, tiny, store: Path, log: Path, url: str) -> tuple[subp
     """`dflash-eval serve` on the tiny run; returns it and the evaluate-checkpoint deployment's id."""
     serve = subprocess.Popen([str(BIN / "dflash-eval"), "serve", "--target", str(tiny.target_dir),
                               "--prompts", str(tiny.prompts_file), "--store", str(store),
-                              "--max-new-tokens", str(tiny.record["settings"]["max_new_tokens"])],
+                              "--max-new-tokens", str(tiny.record["settings"]["max_new_tokens"]),
+                              "--report-port", "0"],
                              env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -180,7 +182,7 @@ def by_hand(tiny, store: Path, env: dict, url: str, profile: Path | None) -> Non
     # with --profile the last step is kept for the profiled command (a scored one would be all cached)
     for step in tiny.drafter_steps[1:-1] if profile else tiny.drafter_steps[1:]:
         wall = timed(command(step))
-        flow = flow_duration(url, f"evaluate {step.name}")
+        flow = flow_duration(url, run_name(str(step)))
         rows.append((step.name, wall, flow))
         print(f"  new checkpoint {step.name}: wall {wall:5.2f} s, flow run {flow:5.2f} s, "
               f"wall / flow {wall / flow:4.2f}x")
@@ -189,7 +191,7 @@ def by_hand(tiny, store: Path, env: dict, url: str, profile: Path | None) -> Non
         step = tiny.drafter_steps[-1]
         wall = timed(command(step, [sys.executable, "-m", "cProfile", "-o", str(profile / f"{step.name}.prof")]))
         print(f"  profiled {step.name}: wall {wall:.2f} s (with cProfile), flow run "
-              f"{flow_duration(url, f'evaluate {step.name}'):.2f} s")
+              f"{flow_duration(url, run_name(str(step))):.2f} s")
         # the same command again (all cached now): which modules it imports, and how long each takes
         log = subprocess.run([sys.executable, "-X", "importtime", *command(step)], env=env,
                              capture_output=True, text=True)

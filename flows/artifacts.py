@@ -4,54 +4,86 @@ Artifacts are keyed per series (target + prompt set), so the UI's artifact page 
 history per series across flow runs:
 
   <series>-scores    table: this checkpoint's metrics
+  <series>-history   table: every scored checkpoint of the series by step, with intervals, the best
+                     one, baselines and regressions (flows.history)
   <series>-summary   markdown: this checkpoint against the previous step, the best one and the
-                     baselines, with the regression flag (flows.history)
-  <series>-report    link: the store's report (flows.report), rewritten by this run
+                     baselines, with the regression flag, the tau-over-steps plot where the report is
+                     served, and the commands that rerun a stage of this checkpoint
+  <series>-report    link: the store's report (flows.report), rewritten by this run: its HTTP address
+                     when one serves it ($DFLASH_REPORT_URL, set by `dflash-eval serve`), else the file
 
-Progress artifacts of long stages (`<stage>-progress`) come from tasks/progress.py.
+Progress artifacts of long stages (`<series>-<stage>-progress`) come from tasks/progress.py.
 """
 
-import re
+import shlex
 from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from storage import Store
+from tasks.progress import series_key
 
 from .history import find_group, history
+from .report_server import report_url
 
-
-def series_key(target: str, prompts: str) -> str:
-    """The artifact key prefix of a target and prompt set: lowercase letters, digits and dashes."""
-    name = f"{Path(str(target).rstrip('/')).name}-{Path(str(prompts)).stem}".lower()
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")[:60] or "dflash"
+# the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
+RERUN_STAGES = ("features", "drafts", "scores", "diagnostics")
 
 
 def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
     """Rewrite the report and publish the scores, summary and report-link artifacts; returns their keys."""
     logger = get_run_logger()
     series = series_key(results["target"], results["prompts"])
-    keys = {"scores": f"{series}-scores", "summary": f"{series}-summary", "report": f"{series}-report"}
+    keys = {name: f"{series}-{name}" for name in ("scores", "history", "summary", "report")}
     create_table_artifact(key=keys["scores"], table=score_table(results),
                           description=f"Scores of {results['drafter']['source']}")
     groups = history(store)
     found = find_group(groups, results["keys"]["scores"])
-    report = None
+    if found is not None:
+        create_table_artifact(key=keys["history"], table=history_table(found[0]),
+                              description=f"tau by training step: {found[0].title}")
+    report = plot = None
     try:
-        from .report import write_report  # matplotlib: imported only when a run has scores to show
+        from .report import tau_plot_path, write_report  # matplotlib: imported only when a run has scores to show
 
         report = write_report(store, report_dir, groups=groups)  # the store's scores, read once
+        if found is not None and any(r["step"] is not None for r in found[0].rows):
+            plot = tau_plot_path(groups.index(found[0]) + 1)
     except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them
         logger.error(f"the report could not be written to {report_dir} ({type(e).__name__}: {e}); "
                      "the scores are in the store: rerun `dflash-eval report --out DIR` once fixed")
-    create_markdown_artifact(key=keys["summary"], markdown=summary_markdown(results, found, report),
+    # $DFLASH_REPORT_URL serves the store's own report folder, not one given elsewhere
+    default_dir = (store.root / "report").resolve()
+    served = report_url() if report is not None and report.parent.resolve() == default_dir else None
+    create_markdown_artifact(key=keys["summary"], markdown=summary_markdown(results, found, report, served, plot),
                              description="This checkpoint against the previous step, the best one and the baselines")
     if report is not None:
-        create_link_artifact(key=keys["report"], link=report.resolve().as_uri(), link_text=str(report),
+        link = f"{served}{report.name}" if served else report.resolve().as_uri()
+        create_link_artifact(key=keys["report"], link=link, link_text=link,
                              description="Report of every checkpoint scored in this store")
-        logger.info(f"report: {report}")
+        logger.info(f"report: {link}")
     return keys
+
+
+def history_table(group) -> list[dict]:
+    """One row per scored checkpoint of a series, in history order (by step), then its baselines."""
+    rows = []
+    for row in group.rows:
+        ci = row["tau_macro_ci95"]
+        verdict = ("baseline" if row["baseline"] else "REGRESSION" if row["regression"] else
+                   "best" if row["best"] else "")
+        rows.append({"checkpoint": row["label"], "step": "-" if row["step"] is None else str(row["step"]),
+                     "tau macro": f"{row['tau_macro']:.3f}", "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
+                     "tau pooled": f"{row['tau_pooled']:.3f}", "verdict": verdict})
+    return rows
+
+
+def rerun_commands(results: dict) -> list[str]:
+    """The commands that recompute one stage of this checkpoint through the served deployments."""
+    drafter = results["drafter"]["source"]
+    return [f"prefect deployment run 'evaluate-checkpoint/rerun-{stage}' -p drafter={shlex.quote(drafter)}"
+            for stage in RERUN_STAGES]
 
 
 def score_table(results: dict) -> list[dict]:
@@ -77,9 +109,12 @@ def score_table(results: dict) -> list[dict]:
     return [{"metric": name, "value": str(value)} for name, value in rows]
 
 
-def summary_markdown(results: dict, found, report: Path | None) -> str:
+def summary_markdown(results: dict, found, report: Path | None, served: str | None = None,
+                     plot: str | None = None) -> str:
     """This checkpoint against the previous step, the best other checkpoint and the baselines. A checkpoint
-    without a training step has no previous step and is never called a regression (flows.history)."""
+    without a training step has no previous step and is never called a regression (flows.history).
+    served: the report's HTTP address; plot: the path under it of this series' tau-by-step plot, which the
+    summary then shows."""
     drafter = results["drafter"]
     low, high = results["tau_macro_ci95"]
     lines = [f"## {drafter['source']}" + (f" (step {drafter['step']})" if drafter["step"] is not None else ""),
@@ -101,9 +136,10 @@ def summary_markdown(results: dict, found, report: Path | None) -> str:
             lines += ["| | checkpoint | step | tau macro | 95% CI | this minus it |", "|---|---|---|---|---|---|"]
             for name, other in [("this", row), *compared]:
                 ci = other["tau_macro_ci95"]
+                difference = "-" if other is row else f"{row['tau_macro'] - other['tau_macro']:+.3f}"
                 lines.append(f"| {name} | {other['label']} | {other['step'] if other['step'] is not None else '-'} | "
                              f"{other['tau_macro']:.3f} | {f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'} | "
-                             f"{row['tau_macro'] - other['tau_macro']:+.3f} |")
+                             f"{difference} |")
             lines.append("")
         if row["regression"]:
             lines.append("**REGRESSION**: the whole 95% interval lies below the best earlier step's.")
@@ -118,6 +154,12 @@ def summary_markdown(results: dict, found, report: Path | None) -> str:
             lines.append("No regression: the interval overlaps the best earlier step's.")
     ran = [s for s, status in results["stages"].items() if status == "ran"]
     lines += ["", f"Stages that ran: {', '.join(ran) or 'none (all cached)'}."]
-    if report is not None:
+    if served:
+        if plot:
+            lines += ["", f"![tau by training step]({served}{plot})"]
+        lines += ["", f"Report: [{served}{report.name}]({served}{report.name})"]
+    elif report is not None:
         lines.append(f"Report: `{report}`")
+    lines += ["", "Rerun one stage of this checkpoint (`dflash-eval serve` running):", "", "```",
+              *rerun_commands(results), "```"]
     return "\n".join(lines)

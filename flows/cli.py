@@ -10,6 +10,7 @@ from typing import NoReturn
 
 import typer
 
+from flows.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, PortInUse, ReportServer, report_url
 from flows.store_paths import (is_storage_full, storage_full_message, store_problem, store_root, store_write_problem,
                                writable_problem)
 
@@ -430,11 +431,19 @@ def serve(
                                 "see tasks/threads.py)."),
     poll_seconds: int = typer.Option(1, "--poll-seconds", min=1, help="How often to ask the server for flow runs "
                                      "to start (Prefect's own default is 10 s; each ask is one small query)."),
+    report_server: bool = typer.Option(True, "--report-server/--no-report-server", help="Serve <store>/report "
+                                       "over HTTP from this process, for the report links of the Prefect UI."),
+    report_host: str = typer.Option(DEFAULT_HOST, "--report-host", help="Address the report server listens on "
+                                    "(0.0.0.0: every interface; the links then name this machine)."),
+    report_port: int = typer.Option(DEFAULT_PORT, "--report-port", min=0, help="Port of the report server "
+                                    "(0: any free one)."),
 ):
     """Serve the deployments on this machine without a work pool (Prefect's runner), until interrupted:
     evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
     rerun-<stage>. Each flow run is a fork of a process that has imported torch and the flows already
-    (flows/warm_runs.py). Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api."""
+    (flows/warm_runs.py). Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api. The report
+    every run rewrites, <store>/report, is served at http://<report host>:<report port>/ ($DFLASH_REPORT_URL,
+    if set, is the address the runs link to instead: a reverse proxy's)."""
     import os
 
     from flows.deployments import serve_deployments
@@ -451,9 +460,15 @@ def serve(
         parameters["baseline"] = _absolute(baseline)
     if threads is not None:
         parameters["threads"] = threads
-    serve_deployments(poll_seconds=poll_seconds, target=_absolute(target), prompts=_absolute(prompts), relay=relay,
-                      store=str(Path(store).resolve()) if store else None, watch_interval=watch_interval,
-                      max_new_tokens=max_new_tokens, parameters=parameters)
+    # before the runner: the flow runs' processes copy this one's environment when they start
+    server = _serve_report_to_runs(store_root(store) / "report", report_host, report_port) if report_server else None
+    try:
+        serve_deployments(poll_seconds=poll_seconds, target=_absolute(target), prompts=_absolute(prompts),
+                          relay=relay, store=str(Path(store).resolve()) if store else None,
+                          watch_interval=watch_interval, max_new_tokens=max_new_tokens, parameters=parameters)
+    finally:
+        if server is not None:
+            server.stop()
 
 
 @app.command("history")
@@ -489,26 +504,69 @@ def history_command(store: str = STORE):
 @app.command("report")
 def report_command(
     store: str = STORE,
-    out: Path = typer.Option(..., "--out", help="Folder to write report.html, report.md and img/*.png into."),
+    out: Path = typer.Option(None, "--out", help="Folder to write report.html, report.md and img/*.png into "
+                             "(with --serve, default <store>/report)."),
     last: int = typer.Option(3, "--last", min=1, help="How many of the newest checkpoints of each group the "
                              "acceptance curves, histograms and category table show (besides the baselines)."),
+    serve: bool = typer.Option(False, "--serve", help="Then serve the folder over HTTP until Ctrl+C."),
+    host: str = typer.Option(DEFAULT_HOST, "--host", help="With --serve: address to listen on (0.0.0.0: every "
+                             "interface)."),
+    port: int = typer.Option(DEFAULT_PORT, "--port", min=0, help="With --serve: port to listen on (0: any free one)."),
 ):
     """Write a report of every scored checkpoint in the store: tau by training step, acceptance by draft
     position, acceptance-length histograms, tau per category, diagnostics. report.html is self-contained
     (plots embedded); report.md shows the same with the plots in img/.
 
     Example: dflash-eval report --out report/
+    Example: dflash-eval report --serve --host 0.0.0.0 --port 8765
     """
     from flows.report import NothingToReport, write_report
     from storage import Store
 
+    if out is None and not serve:
+        raise typer.BadParameter("give the folder to write the report into (or --serve: <store>/report)",
+                                 param_hint="--out")
+    out = store_root(store) / "report" if out is None else out
+    server = _report_server(out, host, port, "--port") if serve else None  # a taken port fails before any work
     try:
         html_path = write_report(Store(store), out, last=last)
     except NothingToReport as e:
+        if server is not None:
+            server.stop()
         typer.echo(str(e), err=True)
         raise typer.Exit(1) from None
     typer.echo(f"report: {html_path}")
     typer.echo(f"markdown: {html_path.with_name('report.md')}")
+    if server is not None:
+        typer.echo(f"serving {out} at {server.url}report.html; Ctrl+C stops")
+        server.serve_forever()
+
+
+def _report_server(folder: Path, host: str, port: int, port_option: str) -> ReportServer:
+    """A ReportServer of `folder` bound to host:port, or one line saying why not (and exit 2)."""
+    try:
+        return ReportServer(folder, host=host, port=port)
+    except PortInUse as e:
+        _fail(f"cannot serve the report: {e.strerror}; choose another port with {port_option} (0: any free one)")
+    except OSError as e:  # an address this machine does not have, a port below 1024, ...
+        _fail(f"cannot serve the report on {host}:{port}: {e.strerror or e}")
+
+
+def _serve_report_to_runs(folder: Path, host: str, port: int) -> ReportServer:
+    """Serve `folder` (the report every flow run rewrites) from this process and point the flow runs, which
+    inherit this process's environment, at it with $DFLASH_REPORT_URL; keep a URL the user set (a proxy's)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)  # the server starts before the first run writes the report
+    except OSError as e:
+        _fail(f"cannot create the report folder {folder}: {e.strerror}")
+    server = _report_server(folder, host, port, "--report-port").start()
+    if report_url() is not None:
+        typer.echo(f"report server at {server.url}report.html; ${REPORT_URL_ENV} is set, so flow runs link to "
+                   f"{report_url()}report.html")
+    else:
+        os.environ[REPORT_URL_ENV] = server.url
+        typer.echo(f"report server at {server.url}report.html (flow runs link to it)")
+    return server
 
 
 @app.command("verify")

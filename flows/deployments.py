@@ -4,8 +4,8 @@
                         payload's `checkpoint` becomes the `drafter` parameter
   watch-relay           (with a relay) every `watch_interval` seconds: starts evaluate-checkpoint for
                         checkpoints not scored yet, oldest step first (flows/watch.py)
-  rerun-<stage>         by hand, for one checkpoint: recompute that stage (and run what it needs, from
-                        the store), e.g. `prefect deployment run evaluate-checkpoint/rerun-drafts -p drafter=...`
+  rerun-<stage>         by hand, for one checkpoint: recompute that stage, then score it (what it needs
+                        comes from the store), e.g. `prefect deployment run evaluate-checkpoint/rerun-drafts -p drafter=...`
 
 prefect.yaml declares the same deployments for the work-pool route (several machines, README).
 """
@@ -17,7 +17,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runner import Runner
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 
-from .evaluate import STAGES, evaluate_checkpoint
+from .evaluate import RERUN_FLOWS, evaluate_checkpoint
 from .notify import EVENT, RESOURCE_PREFIX
 from .warm_runs import start_flow_runs_from_forkserver
 from .watch import watch_relay
@@ -50,10 +50,11 @@ def build_deployments(target: str, prompts: str, store: str | None = None, relay
                         "max_new_tokens": max_new_tokens, "parameters": parameters or {}},
             description=f"Start evaluations of the checkpoints on {relay} not scored yet, oldest step first.",
         )))
-    for stage in STAGES:
-        deployments.append((evaluate_checkpoint, dict(
-            name=f"rerun-{stage}", parameters={**settings, "until": stage, "refresh": [stage]},
-            description=f"Recompute the {stage} stage of one checkpoint (give `drafter`); what it needs comes from the store.",
+    for stage, rerun in RERUN_FLOWS.items():
+        deployments.append((rerun, dict(
+            name=f"rerun-{stage}", parameters=settings,
+            description=f"Recompute the {stage} stage of one checkpoint (give `drafter`), then score it; what it "
+                        "needs comes from the store.",
         )))
     return deployments
 

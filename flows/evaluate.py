@@ -19,17 +19,19 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
-from prefect import flow, get_run_logger
+from prefect import flow, get_client, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Completed
 from transformers import AutoTokenizer
 
 from dflash_core.drafter import DrafterConfig, DrafterError, check_compatible, read_drafter_config
 from dflash_core.prompts import PromptError
 from dflash_core.reference_backends import BackendError, open_backend
 from dflash_core.target import read_target_config
-from flows.artifacts import publish
+from flows.artifacts import publish, series_key
 from flows.history import BASELINES
 from storage import Store, read_json
 from storage.checkpoint import weight_file_problem
@@ -45,13 +47,19 @@ from tasks.stage import refusals_fail_cleanly, run_entry
 from tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
 from tasks.threads import leases_threads
 
-STAGES = ("fetch", "references", "features", "drafts", "scores", "diagnostics")
+# The parameter types the deployment forms show as dropdowns (Prefect turns Literal into a JSON-schema enum).
+StageName = Literal["fetch", "references", "features", "drafts", "scores", "diagnostics"]
+DtypeName = Literal["auto", "float32", "bfloat16"]  # tasks/target.py: DTYPE_CHOICES
+DeviceName = Literal["cpu", "cuda"]
+SlidingSemantics = Literal["causal", "non_causal"]
+STAGES = get_args(StageName)
+DEVICES = get_args(DeviceName)
+SLIDING_SEMANTICS = get_args(SlidingSemantics)
 # What each stage needs done first (a hand-run stage runs these too; they are usually cached).
 DEPENDS_ON = {
     "fetch": (), "references": (), "features": ("references",),
     "drafts": ("fetch", "features"), "scores": ("drafts", "references"), "diagnostics": ("scores",),
 }
-SLIDING_SEMANTICS = ("causal", "non_causal")
 
 
 class InputError(ValueError):
@@ -88,11 +96,10 @@ def check_inputs(
         raise InputError(f"--sliding-semantics must be one of {', '.join(SLIDING_SEMANTICS)}, got {sliding_semantics!r}")
     if max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    try:
-        torch_device = torch.device(device)
-    except RuntimeError as e:
-        raise InputError(f"--device {device!r} is not a torch device ({e})") from None
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
+    if device not in DEVICES:
+        raise InputError(f"--device must be one of {', '.join(DEVICES)}, got {device!r} (choose a GPU with "
+                         "CUDA_VISIBLE_DEVICES)")
+    if device == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
     if not Path(target).is_dir():
         raise InputError(f"target {target} is not a directory: pass a Hugging Face model folder")
@@ -201,8 +208,49 @@ def stages_to_run(until: str) -> list[str]:
     return [s for s in STAGES if s in needed]
 
 
+def run_name(drafter: str, until: str = "scores", refresh=None) -> str:
+    """A flow run's name: `<checkpoint> step <N>` (the step when the checkpoint's name holds one), then
+    `rerun <stage>` for refreshed stages or `stage <stage>` for one stage asked for, so a full evaluation, a
+    stage rerun by hand and one from the UI read differently in the runs list."""
+    name = Path(str(drafter).rstrip("/")).name or str(drafter)
+    if (step := source_step(drafter)) is not None:
+        name += f" step {step}"
+    if refresh:
+        return f"{name} rerun {', '.join(s for s in STAGES if s in set(refresh))}"
+    return name if until == "scores" else f"{name} stage {until}"
+
+
+def run_tags(target: str, prompts: str, step: int | None, until: str = "scores", refresh=None) -> list[str]:
+    """The tags a flow run gets: its target, prompt set and step, and `stage-rerun` unless it is a full evaluation."""
+    tags = [f"target:{Path(str(target).rstrip('/')).name}", f"prompts:{Path(str(prompts)).stem}",
+            f"series:{series_key(target, prompts)}"]
+    if step is not None:
+        tags.append(f"step:{step}")
+    if refresh or until != "scores":
+        tags.append("stage-rerun")
+    return tags
+
+
 def _run_name() -> str:
-    return f"evaluate {Path(str(flow_run.parameters.get('drafter', ''))).name}"
+    parameters = flow_run.parameters
+    return run_name(parameters.get("drafter", ""), parameters.get("until", "scores"), parameters.get("refresh"))
+
+
+def _add_tags(tags: list[str]) -> None:
+    """Add tags to this flow run (Prefect fixes a run's tags at its creation; the API can add more)."""
+    if flow_run.id is None:
+        return
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run.id)
+        client.update_flow_run(flow_run.id, tags=[*run.tags, *(t for t in tags if t not in run.tags)])
+
+
+def outcome(results: dict) -> str:
+    """One line with what an evaluation found: the final log line and the flow run's state message."""
+    low, high = results["tau_macro_ci95"]
+    step = results["drafter"]["step"]
+    return (f"tau {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
+            + (f"step {step}" if step is not None else "no step"))
 
 
 @flow(name="evaluate-checkpoint", flow_run_name=_run_name, persist_result=False)
@@ -214,16 +262,16 @@ def evaluate_checkpoint(
     prompts: str,
     max_new_tokens: int = 256,
     store: str | None = None,
-    dtype: str = AUTO,
-    device: str = "cpu",
-    sliding_semantics: str = "causal",
+    dtype: DtypeName = AUTO,
+    device: DeviceName = "cpu",
+    sliding_semantics: SlidingSemantics = "causal",
     thinking: bool = False,
     reference: str = "local",
     lookahead: bool = False,
     concurrency: int = 8,
     relay_token_file: str | None = None,
-    until: str = "scores",
-    refresh: list[str] | None = None,
+    until: StageName = "scores",
+    refresh: list[StageName] | None = None,
     baseline: str | None = None,
     report_dir: str | None = None,
     all_positions: bool = False,
@@ -236,25 +284,42 @@ def evaluate_checkpoint(
 ) -> dict:
     """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
-    prompts: a JSONL file or a shipped suite name (math, code, chat, multiturn).
-    reference: where greedy references come from: local, sglang+http://HOST:PORT, openai+http://HOST:PORT/v1
-    (concurrency: requests in flight to a server; reference_api_key_file: a file holding its API key, else
-    $DFLASH_REFERENCE_API_KEY; the key itself is never a parameter). lookahead: keep B-1 greedy tokens past each
-    completion so its last step is scored against a whole block (not clipped).
-    until: run only this stage and what it depends on ("diagnostics" adds them to a full run).
-    refresh: stages to recompute even if cached. baseline: another drafter (e.g. the published one)
-    scored alongside, as its own row. report_dir: where the report is rewritten (default <store>/report).
-    all_positions: also score a block at every position (all_positions_tau in the results).
-    drafter_config: the drafter's config.json for checkpoints saved without one (SpecForge's run-stepN
-    folders), when their run folder holds none either. include: more checkpoint files to fetch (fnmatch
-    patterns; the drafter's own files always travel). checkpoint_wait: seconds to wait for a checkpoint
-    that is absent or still being written (settle_seconds: how long a folder must be untouched to count
-    as finished; default $DFLASH_SETTLE_SECONDS, else 30).
-    dtype: auto (the target checkpoint's own; float16 ones compute in float32), float32 or bfloat16;
-    resolved once before any stage, and the results record the resolved name (dtype_requested: what was asked).
-    threads: CPU threads this run computes with (None: the process's budget, set by the command line, else
-    this machine's cores / the heavy stages allowed at once on it; tasks/threads.py).
-    Returns the results record (also what `dflash-eval run --out` writes).
+    Returns the results record (also what `dflash-eval run --out` writes); the flow run's state message
+    holds tau, its interval, pooled tau and the step.
+
+    Args:
+        target: The target model's folder (a Hugging Face checkpoint) on this machine.
+        drafter: The checkpoint to score: a folder (HF export or SpecForge save) or a relay URL
+            (http://relay:8700/run1/step_1000).
+        prompts: A JSONL file of prompts on this machine, or a shipped suite (math, code, chat, multiturn).
+        max_new_tokens: Greedy tokens generated per prompt for the references.
+        store: The store's folder (default $DFLASH_STORE, else ./.dflash-store).
+        dtype: auto (the target checkpoint's own; float16 ones compute in float32), float32 or bfloat16;
+            resolved once before any stage (the results record the resolved name).
+        device: cpu or cuda (choose a GPU with CUDA_VISIBLE_DEVICES).
+        sliding_semantics: Sliding drafter layers: causal (training, serving) or non_causal (earlier z-lab
+            reference); a drafter config's is_causal overrides it.
+        thinking: enable_thinking in the target's chat template.
+        reference: Where greedy references come from: local (the target here), sglang+http://HOST:PORT or
+            openai+http://HOST:PORT/v1.
+        lookahead: Keep B-1 greedy tokens past each completion, so its last step is scored against a whole block.
+        concurrency: Requests in flight to a reference server.
+        relay_token_file: A file holding the relay's token.
+        until: Run only this stage and what it depends on (diagnostics adds them to a full run).
+        refresh: Stages to recompute even if they are in the store.
+        baseline: Another drafter (e.g. the published one) scored alongside, as its own row.
+        report_dir: Where the report is rewritten (default <store>/report).
+        all_positions: Also score a block at every position (all_positions_tau in the results).
+        reference_api_key_file: A file holding the reference server's API key (else $DFLASH_REFERENCE_API_KEY;
+            the key itself is never a parameter).
+        drafter_config: The drafter's config.json, for checkpoints saved without one (SpecForge's run-stepN
+            folders) whose run folder holds none either.
+        include: More checkpoint files to fetch (fnmatch patterns); the drafter's own files always travel.
+        checkpoint_wait: Seconds to wait for a checkpoint that is absent or still being written.
+        settle_seconds: How long a folder must be untouched to count as finished (default
+            $DFLASH_SETTLE_SECONDS, else 30).
+        threads: CPU threads this run computes with (empty: the process's budget, else this machine's cores /
+            the heavy stages allowed at once on it).
     """
     # a deployment's templated parameters arrive as "" when their variable is unset
     reference = reference or "local"
@@ -265,6 +330,7 @@ def evaluate_checkpoint(
     if unknown:
         raise InputError(f"cannot refresh unknown stages {sorted(unknown)}: stages are {', '.join(STAGES)}")
     run = stages_to_run(until)
+    _add_tags(run_tags(target, prompts, source_step(drafter), until, refresh))
     # once, before any stage computes a key: `auto` and the name it resolves to share the store's entries
     dtype_choice = resolve_dtype(dtype, target)
     dtype = dtype_choice.name
@@ -349,11 +415,40 @@ def evaluate_checkpoint(
         }
     if "diagnostics" in run:
         results["diagnostics"] = read_json(outputs["diagnostics"].path)
-    if "scores" in run:
-        publish(results, Store(root), Path(report_dir) if report_dir else Path(root) / "report")
-    return results
+    if "scores" not in run:
+        return results
+    publish(results, Store(root), Path(report_dir) if report_dir else Path(root) / "report")
+    get_run_logger().info(outcome(results))
+    return Completed(message=outcome(results), data=results)
 
 
 def mark_baseline(store: Store, checkpoint) -> None:
     """Record that this checkpoint is scored as a baseline (flows.history shows it as its own row)."""
     run_entry(store, BASELINES, checkpoint.key, lambda entry: {"source": checkpoint.source, "step": checkpoint.step})
+
+
+def rerun_flow(stage: str):
+    """The flow of deployment `rerun-<stage>`: recompute `stage` of one checkpoint, then score it (what it
+    needs comes from the store, usually cached), so the run ends with the checkpoint's tau. Its parameters
+    are evaluate_checkpoint's without `until` and `refresh`: the deployment's form cannot turn a stage rerun
+    into something else."""
+    until = "diagnostics" if stage == "diagnostics" else "scores"
+
+    def rerun(**parameters):
+        return evaluate_checkpoint.fn(**parameters, until=until, refresh=[stage])
+
+    signature = inspect.signature(evaluate_checkpoint.fn)
+    rerun.__signature__ = signature.replace(parameters=[
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in signature.parameters.values()
+        if p.name not in ("until", "refresh")])
+    summary = f"Recompute the {stage} stage of one checkpoint (give `drafter`), then score it."
+    rerun.__doc__ = summary + evaluate_checkpoint.fn.__doc__[evaluate_checkpoint.fn.__doc__.index("\n"):]
+    rerun.__name__ = rerun.__qualname__ = f"rerun_{stage}"
+    # the same flow name as a full evaluation: its deployments stay evaluate-checkpoint/rerun-<stage>
+    return flow(rerun, name="evaluate-checkpoint", persist_result=False,
+                flow_run_name=lambda: run_name(flow_run.parameters.get("drafter", ""), until, [stage]))
+
+
+RERUN_FLOWS = {stage: rerun_flow(stage) for stage in STAGES}
+# entrypoints of prefect.yaml's rerun-<stage> deployments
+rerun_fetch, rerun_references, rerun_features, rerun_drafts, rerun_scores, rerun_diagnostics = RERUN_FLOWS.values()

@@ -137,6 +137,15 @@ def _diagnostics_by_checkpoint(store: Store) -> dict[tuple[str, str, str], dict]
     return {checkpoint: report for checkpoint, (_, report) in found.items()}
 
 
+TAU_PLOT = "-tau-by-step"  # a group's tau-by-step plot: img/group<N>-tau-by-step.png
+
+
+def tau_plot_path(group_number: int) -> str:
+    """Where the report puts the tau-by-step plot of its group_number-th group (1-based, flows.history order),
+    relative to the report's folder."""
+    return f"img/group{group_number}{TAU_PLOT}.png"
+
+
 def _group_blocks(group: Group, prefix: str, last: int, diagnostics: dict[tuple[str, str, str], dict]) -> list:
     scores = {row["scores"]: read_json(row["scores_path"]) for row in group.rows}
     n_prompts = scores[group.rows[0]["scores"]].get("n_prompts")  # the same references for every row
@@ -161,7 +170,7 @@ def _group_blocks(group: Group, prefix: str, last: int, diagnostics: dict[tuple[
                            "whose whole interval lies below the best earlier step's. Checkpoints without a training "
                            "step are listed by when they were first scored and never flagged: their place among "
                            "the steps is unknown."))
-        blocks.append(Plot(f"{prefix}-tau-by-step", "tau macro by training step", _tau_plot(group)))
+        blocks.append(Plot(f"{prefix}{TAU_PLOT}", "tau macro by training step", _tau_plot(group)))
     else:
         blocks.append(Text("No checkpoint has a training step: no tau-by-step plot."))
 

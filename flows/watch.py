@@ -17,6 +17,7 @@ from storage import Store, key_of
 from storage.relay_client import RelayClient
 from tasks.fetch import CheckpointError, await_checkpoint, fetched_files, relay_token
 
+from .evaluate import run_name
 from .history import history
 
 EVALUATE_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
@@ -69,7 +70,7 @@ def watch_relay(
         for attempt in range(1, MAX_ATTEMPTS + 1):
             run = run_deployment(deployment, parameters=run_parameters, timeout=0,
                                  idempotency_key=f"dflash-eval-{identity}-{attempt}",
-                                 flow_run_name=f"evaluate {checkpoint['path']}")
+                                 flow_run_name=run_name(run_parameters["drafter"]))
             if not (run.state and run.state.is_final() and not run.state.is_completed()):
                 break  # new, scheduled, running or completed: this attempt stands
         else:

@@ -88,7 +88,7 @@ def served(prefect_server, setup):
         serve = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "serve", "--target", str(setup["tiny"].target_dir),
              "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
-             "--relay", relay.url, "--watch-interval", "3600", "--settle-seconds", "3"],
+             "--relay", relay.url, "--watch-interval", "3600", "--settle-seconds", "3", "--report-port", "0"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
         try:
             with client_of(prefect_server) as client:
@@ -337,6 +337,31 @@ def test_notify_without_prefect_posts_the_event(prefect_server):
     assert event["payload"]["step"] == 7 and event["resource"]["prefect.resource.id"] == "dflash.checkpoint./nowhere/step_7"
 
 
+def assert_rerun_form(deployment) -> None:
+    """A rerun-<stage> deployment's form: typed choices with help, the drafter asked for, the stage fixed."""
+    schema = deployment.parameter_openapi_schema
+    properties = schema["properties"]
+    assert "until" not in properties and "refresh" not in properties  # the form cannot turn it into another stage
+    assert "until" not in deployment.parameters and "refresh" not in deployment.parameters
+    assert properties["dtype"]["enum"] == ["auto", "float32", "bfloat16"]
+    assert properties["device"]["enum"] == ["cpu", "cuda"]
+    assert properties["sliding_semantics"]["enum"] == ["causal", "non_causal"]
+    assert "drafter" in schema["required"] and "drafter" not in deployment.parameters
+    assert "relay URL" in properties["drafter"]["description"]
+
+
+def test_served_deployments_have_typed_forms(prefect_server, served):
+    with client_of(prefect_server) as client:
+        evaluate = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
+        properties = evaluate.parameter_openapi_schema["properties"]
+        assert properties["dtype"]["enum"] == ["auto", "float32", "bfloat16"]
+        assert properties["until"]["enum"] == list(STAGES)
+        assert properties["refresh"]["anyOf"][0]["items"]["enum"] == list(STAGES)
+        assert properties["prompts"]["type"] == "string" and properties["prompts"]["description"]
+        for stage in STAGES:
+            assert_rerun_form(client.read_deployment_by_name(f"evaluate-checkpoint/rerun-{stage}"))
+
+
 def test_prefect_yaml_deploys_with_its_trigger_and_schedule(prefect_server, served, setup):
     """The work-pool route: `prefect deploy --all` from prefect.yaml (runs last: it replaces the served
     deployments of the same names with work-pool ones)."""
@@ -358,7 +383,8 @@ def test_prefect_yaml_deploys_with_its_trigger_and_schedule(prefect_server, serv
         assert watch.parameters["relay"] == served["relay"].url
         for stage in STAGES:
             rerun = client.read_deployment_by_name(f"evaluate-checkpoint/rerun-{stage}")
-            assert rerun.parameters["until"] == stage and rerun.parameters["refresh"] == [stage]
+            assert rerun.entrypoint == f"flows/evaluate.py:rerun_{stage}"
+            assert_rerun_form(rerun)
     automations = requests.get(f"{prefect_server['url']}/automations/related-to/prefect.deployment.{evaluate.id}",
                                timeout=10).json()
     (automation,) = automations

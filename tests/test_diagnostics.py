@@ -135,7 +135,7 @@ def test_artifacts_of_a_run_are_in_prefect(run_dir, diagnosed):
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from flows.artifacts import series_key
+    from tasks.progress import series_key
 
     results, flow_run_id = diagnosed[-1]
     with get_client(sync_client=True) as client:
@@ -143,7 +143,8 @@ def test_artifacts_of_a_run_are_in_prefect(run_dir, diagnosed):
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     by_key = {a.key: a for a in artifacts if a.key}
     series = series_key(str(run_dir["tiny"].target_dir), str(run_dir["prompts"]))
-    assert {f"{series}-scores", f"{series}-summary", f"{series}-report", "drafts-progress"} <= set(by_key)
+    assert {f"{series}-scores", f"{series}-summary", f"{series}-report", f"{series}-history",
+            f"{series}-drafts-progress"} <= set(by_key)
     table = by_key[f"{series}-scores"].data
     table = json.loads(table) if isinstance(table, str) else table
     assert {"metric": "tau macro", "value": f"{results['tau_macro']:.3f}"} in table

@@ -20,6 +20,7 @@ from dflash_core.decoding import speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.target import load_target, read_target_config
 
+from tasks.progress import series_key
 from tests.tiny_models import first_prompts
 
 pytestmark = pytest.mark.slow
@@ -142,7 +143,9 @@ def test_progress_of_long_stages_is_published_to_prefect(tiny, tmp_path, prefect
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     progress = {a.key: a.data for a in artifacts if a.type == "progress"}
-    assert progress == {"references-progress": 100.0, "features-progress": 100.0, "drafts-progress": 100.0}
+    series = series_key(str(tiny.target_dir), str(tiny.prompts))
+    assert progress == {f"{series}-references-progress": 100.0, f"{series}-features-progress": 100.0,
+                        f"{series}-drafts-progress": 100.0}
 
 
 def test_other_layer_ids_extract_only_the_layers_not_held(tiny, tmp_path, prefect_api_url):

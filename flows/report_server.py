@@ -1,0 +1,204 @@
+"""Serve one report folder (`<store>/report`, flows/report.py) read-only over HTTP.
+
+The Prefect UI links to the report. A file:// link is blocked by browsers and names a path on the eval
+machine only; `dflash-eval serve` therefore serves the folder from its own process and tells the flow
+runs where: `$DFLASH_REPORT_URL` is the base URL under which `<store>/report/` is served, so the report
+is `${DFLASH_REPORT_URL}report.html` (report_url() reads it). A user who puts a reverse proxy in front
+sets the variable to the proxy's address.
+
+What is served: GET and HEAD of the report's files (.html, .md, .png) inside the folder, `/` being
+report.html. No listings, nothing hidden (the `.<name>.partial` files a write is filling), nothing that
+resolves outside the folder. Every evaluation rewrites the folder, so nothing may be cached without
+asking again (`Cache-Control: no-cache`). flows/report.py writes each file to a temporary name and
+renames it into place: a request opens either the old or the new file, never one half written.
+"""
+
+import errno
+import logging
+import os
+import shutil
+import socket
+import stat
+import threading
+from email.utils import formatdate
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import BinaryIO
+from urllib.parse import unquote, urlsplit
+
+REPORT_URL_ENV = "DFLASH_REPORT_URL"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8765
+INDEX = "report.html"
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".md": "text/markdown; charset=utf-8", ".png": "image/png"}
+# Opening the resolved path must not follow a link swapped in after it was resolved.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+logger = logging.getLogger(__name__)
+
+
+def report_url() -> str | None:
+    """The base URL under which `<store>/report/` is served (`$DFLASH_REPORT_URL`), ending in `/`; None when
+    the variable is unset or empty. The report itself is `report_url() + "report.html"`."""
+    url = os.environ.get(REPORT_URL_ENV, "").strip()
+    if not url:
+        return None
+    return url if url.endswith("/") else url + "/"
+
+
+class PortInUse(OSError):
+    """Another process listens on the address the report server was asked for."""
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True  # a browser's idle keep-alive connection must not keep the process alive
+
+
+class _IPv6Server(_Server):
+    address_family = socket.AF_INET6
+
+
+class ReportServer:
+    """Serve `folder` read-only over HTTP at `url` (`http://HOST:PORT/`, the bound port when port=0).
+
+    The port is bound in the constructor (PortInUse if taken), so a caller fails before doing any work.
+    The folder need not exist yet: files are looked up per request (404 until the first report).
+    Use `start()`/`stop()` (a daemon thread), `with ReportServer(...) as server:`, or `serve_forever()`.
+    """
+
+    def __init__(self, folder: str | os.PathLike, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT):
+        self.folder = Path(folder).absolute()
+        server_class = _IPv6Server if ":" in host else _Server
+        try:
+            self._httpd = server_class((host, port), self._handler_class())
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(e.errno, f"port {port} on {host} is already in use") from None
+            raise
+        self.port = self._httpd.server_address[1]
+        # a wildcard address is no address a browser elsewhere could use: name this machine instead
+        shown = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
+        self.url = f"http://[{shown}]:{self.port}/" if ":" in shown else f"http://{shown}:{self.port}/"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "ReportServer":
+        """Serve in a daemon thread; returns self."""
+        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.2,), name="report-server",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until interrupted (Ctrl+C); then release the port."""
+        try:
+            self._httpd.serve_forever(0.2)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self._httpd.server_close()
+
+    def stop(self) -> None:
+        """Stop serving and release the port."""
+        if self._thread is not None:
+            self._httpd.shutdown()
+            self._thread.join()
+            self._thread = None
+        self._httpd.server_close()
+
+    def __enter__(self) -> "ReportServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _open_file(self, url_path: str) -> tuple[BinaryIO, os.stat_result, str]:
+        """(open file, its fstat, content type) of the report file a request path names; raises _Refused."""
+        if not url_path.startswith("/"):
+            raise _Refused(400, "the path must start with /")
+        segments = [unquote(part, errors="strict") for part in urlsplit(url_path).path.split("/")[1:]]
+        if segments == [""]:
+            segments = [INDEX]
+        for segment in segments:
+            if segment in (".", "..") or "/" in segment or "\\" in segment or "\x00" in segment:
+                raise _Refused(403, "the path must stay inside the report folder")
+            if segment == "" or segment.startswith("."):  # no folder listings, no files being written
+                raise _Refused(404, "not found")
+        content_type = CONTENT_TYPES.get(os.path.splitext(segments[-1])[1].lower())
+        if content_type is None:
+            raise _Refused(404, "not found")
+        root = os.path.realpath(self.folder)
+        real = os.path.realpath(os.path.join(root, *segments))
+        if os.path.commonpath([root, real]) != root or real == root:  # a link that leads out of the folder
+            raise _Refused(403, "the path leads outside the report folder")
+        try:
+            fd = os.open(real, _OPEN_FLAGS)
+        except OSError:  # not there (yet), unreadable, or a link swapped in since it was resolved
+            raise _Refused(404, "not found") from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise _Refused(404, "not found")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), st, content_type
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = "dflash-report"
+
+            def do_GET(self) -> None:
+                self._send(body=True)
+
+            def do_HEAD(self) -> None:
+                self._send(body=False)
+
+            def _refuse_method(self) -> None:
+                self._error(405, "read-only: GET and HEAD only", {"Allow": "GET, HEAD"})
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_method
+
+            def _send(self, body: bool) -> None:
+                try:
+                    file, st, content_type = server._open_file(self.path)
+                except _Refused as e:
+                    self._error(e.status, e.message)
+                    return
+                except UnicodeDecodeError:
+                    self._error(400, "the path is not UTF-8")
+                    return
+                with file:  # the file opened: a rename over it meanwhile changes nothing of what is sent
+                    self.send_response(200)
+                    self.send_header("Content-Type", content_type)
+                    self.send_header("Content-Length", str(st.st_size))
+                    self.send_header("Last-Modified", formatdate(st.st_mtime, usegmt=True))
+                    self.send_header("Cache-Control", "no-cache")
+                    self.send_header("X-Content-Type-Options", "nosniff")
+                    self.end_headers()
+                    if body:
+                        shutil.copyfileobj(file, self.wfile)
+
+            def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+                data = (message + "\n").encode("utf-8")
+                self.send_response(status)
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
+                self.send_header("Content-Type", "text/plain; charset=utf-8")
+                self.send_header("Content-Length", str(len(data)))
+                self.send_header("Cache-Control", "no-cache")
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            def log_message(self, format: str, *args) -> None:
+                # not on stderr: `dflash-eval serve`'s console is for the flow runs' logs
+                logger.debug("%s %s", self.address_string(), format % args)
+
+        return Handler

@@ -1,0 +1,135 @@
+"""What the Prefect UI shows of evaluations, read back through the session server's API: run names, tags,
+state messages with tau, the history artifact, per-series progress keys, the deployments' typed forms."""
+
+import json
+
+import pytest
+
+from tasks.progress import series_key
+from tests.tiny_models import first_prompts
+
+pytestmark = pytest.mark.slow
+
+N_PROMPTS = 6
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def series(tiny_qwen3_run, tmp_path_factory, prefect_api_url):
+    """Every step of the tiny run evaluated, newest first (history must still list them by step), and one
+    stage rerun from its deployment's flow; returns the flow runs and what they returned."""
+    from flows.evaluate import RERUN_FLOWS, evaluate_checkpoint
+
+    root = tmp_path_factory.mktemp("ui")
+    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "held-out.jsonl")
+    settings = dict(target=str(tiny_qwen3_run.target_dir), prompts=str(prompts), max_new_tokens=MAX_NEW,
+                    store=str(root / "store"))
+    runs = {}
+    for step in reversed(tiny_qwen3_run.drafter_steps):
+        state = evaluate_checkpoint(**settings, drafter=str(step), return_state=True)
+        runs[step.name] = (state.state_details.flow_run_id, state.result())
+    newest = tiny_qwen3_run.drafter_steps[-1]
+    state = RERUN_FLOWS["drafts"](**settings, drafter=str(newest), return_state=True)
+    runs["rerun"] = (state.state_details.flow_run_id, state.result())
+    return {"tiny": tiny_qwen3_run, "settings": settings, "runs": runs, "root": root}
+
+
+def read_run(flow_run_id):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id)
+
+
+def artifacts_of(flow_run_id) -> dict:
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    return {a.key: a for a in found if a.key}
+
+
+def test_each_run_is_named_and_tagged_by_checkpoint_and_step_and_its_state_holds_tau(series):
+    for step in series["tiny"].drafter_steps:
+        flow_run_id, results = series["runs"][step.name]
+        run = read_run(flow_run_id)
+        n = results["drafter"]["step"]
+        assert run.name == f"{step.name} step {n}"
+        assert {"target:target", f"prompts:held-out", f"step:{n}"} <= set(run.tags)
+        assert "stage-rerun" not in run.tags
+        low, high = results["tau_macro_ci95"]
+        assert run.state.is_completed()
+        assert run.state.message == (f"tau {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), "
+                                     f"pooled {results['tau_pooled']:.3f}, step {n}")
+
+
+def test_a_stage_rerun_reads_as_one_and_still_ends_with_tau(series):
+    flow_run_id, results = series["runs"]["rerun"]
+    run = read_run(flow_run_id)
+    newest = series["tiny"].drafter_steps[-1]
+    assert run.name == f"{newest.name} step {results['drafter']['step']} rerun drafts"
+    assert "stage-rerun" in run.tags
+    assert results["stages"]["drafts"] == "ran" and results["stages"]["features"] == "cached"
+    assert run.state.message.startswith(f"tau {results['tau_macro']:.3f}")
+    # the same acceptance lengths as the full evaluation of that checkpoint
+    assert results["tau_macro"] == series["runs"][newest.name][1]["tau_macro"]
+
+
+def test_the_history_artifact_lists_every_step_in_order_with_the_best_one(series):
+    flow_run_id, results = series["runs"]["rerun"]
+    key = f"{series_key(results['target'], results['prompts'])}-history"
+    table = artifacts_of(flow_run_id)[key].data
+    rows = json.loads(table) if isinstance(table, str) else table
+    steps = [series["runs"][s.name][1]["drafter"]["step"] for s in series["tiny"].drafter_steps]
+    assert [row["step"] for row in rows] == [str(n) for n in sorted(steps)]
+    taus = {str(series["runs"][s.name][1]["drafter"]["step"]): series["runs"][s.name][1]["tau_macro"]
+            for s in series["tiny"].drafter_steps}
+    assert all(row["tau macro"] == f"{taus[row['step']]:.3f}" for row in rows)
+    best = max(rows, key=lambda row: float(row["tau macro"]))
+    assert [row["verdict"] for row in rows if row["verdict"] == "best"] == ["best"] and best["verdict"] == "best"
+
+
+def test_the_summary_gives_the_commands_that_rerun_a_stage_and_no_difference_against_itself(series):
+    flow_run_id, results = series["runs"]["rerun"]
+    summary = artifacts_of(flow_run_id)[f"{series_key(results['target'], results['prompts'])}-summary"].data
+    assert f"prefect deployment run 'evaluate-checkpoint/rerun-drafts' -p drafter={results['drafter']['source']}" in summary
+    this_row = next(line for line in summary.splitlines() if line.startswith("| this |"))
+    assert this_row.endswith("| - |")
+    assert "+0.000" not in this_row
+
+
+def test_progress_keys_differ_between_two_series(series, tmp_path):
+    from flows.evaluate import evaluate_checkpoint
+
+    other = first_prompts(series["tiny"], 3, tmp_path / "other-set.jsonl")
+    state = evaluate_checkpoint(**{**series["settings"], "prompts": str(other)},
+                                drafter=str(series["tiny"].drafter_steps[0]), return_state=True)
+    # the fixture's first evaluation (the newest step) computed the references and features too
+    first = {k for k, a in artifacts_of(series["runs"][series["tiny"].drafter_steps[-1].name][0]).items()
+             if a.type == "progress"}
+    second = {k for k, a in artifacts_of(state.state_details.flow_run_id).items() if a.type == "progress"}
+    target = str(series["tiny"].target_dir)
+    assert first == {f"{series_key(target, 'held-out')}-{s}-progress" for s in ("references", "features", "drafts")}
+    assert second == {f"{series_key(target, 'other-set')}-{s}-progress" for s in ("references", "features", "drafts")}
+
+
+def test_the_deployments_forms_offer_choices_and_fix_a_reruns_stage(series, prefect_api_url):
+    from prefect import get_client
+
+    from flows.deployments import build_deployments
+    from flows.evaluate import STAGES
+
+    settings = series["settings"]
+    with get_client(sync_client=True) as client:
+        for flow, options in build_deployments(settings["target"], settings["prompts"], settings["store"]):
+            deployment = client.read_deployment(flow.to_deployment(**options).apply())
+            properties = deployment.parameter_openapi_schema["properties"]
+            assert properties["dtype"]["enum"] == ["auto", "float32", "bfloat16"]
+            assert properties["device"]["enum"] == ["cpu", "cuda"]
+            assert properties["sliding_semantics"]["enum"] == ["causal", "non_causal"]
+            assert properties["drafter"]["description"].startswith("The checkpoint to score")
+            if options["name"].startswith("rerun-"):
+                assert "until" not in properties and "refresh" not in properties
+            else:
+                assert properties["until"]["enum"] == list(STAGES)
