@@ -30,7 +30,6 @@ Needs Chromium (Debian: `apt-get install chromium`).
 
 Run: .venv/bin/python benchmarks/ui_screenshots.py [--out DIR] [--ui v1|v2] [--artifact history]
   --artifact NAME    check the `<series>-NAME` artifact instead of `<series>-history` (e.g. scores)
-  --static-report    serve <store>/report with `python -m http.server` instead of `dflash-eval report --serve`
 """
 
 import argparse
@@ -148,21 +147,15 @@ def evaluate(tiny, store: Path, env: dict, logs: Path) -> None:
         print(f"evaluated {step.name} in {time.perf_counter() - t:.1f} s")
 
 
-def start_report_server(store: Path, port: int, env: dict, log: Path, static: bool) -> subprocess.Popen:
-    """The report server over <store>/report; returns once report.html is served."""
-    if static:
-        cmd = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1",
-               "--directory", str(store / "report")]
-    else:
-        cmd = [str(BIN / "dflash-eval"), "report", "--serve", "--store", str(store), "--port", str(port)]
+def start_report_server(store: Path, port: int, env: dict, log: Path) -> subprocess.Popen:
+    """`dflash-eval report --serve` over <store>/report; returns once report.html is served."""
+    cmd = [str(BIN / "dflash-eval"), "report", "--serve", "--store", str(store), "--port", str(port)]
     server = subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}/report.html"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if server.poll() is not None:
-            hint = ("" if static else "\n(no `dflash-eval report --serve` yet? pass --static-report to serve "
-                    "the folder with python -m http.server)")
-            raise Failure(f"{' '.join(cmd)} exited with {server.returncode}:\n{log.read_text()[-3000:]}{hint}")
+            raise Failure(f"{' '.join(cmd)} exited with {server.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(url, timeout=5) as response:
                 if response.status == 200:
@@ -275,13 +268,11 @@ def main() -> int:
     parser.add_argument("--ui", choices=["v1", "v2"], default="v1",
                         help="v1: the pages Prefect's logs link to (default); v2: the same under /v2.")
     parser.add_argument("--artifact", default="history", help="Check the <series>-NAME artifact (default history).")
-    parser.add_argument("--static-report", action="store_true",
-                        help="Serve <store>/report with python -m http.server, not `dflash-eval report --serve`.")
     parser.add_argument("--port", type=int, default=None, help="The Prefect server's port (default: a free one).")
     args = parser.parse_args()
 
     chromium = find_chromium()
-    from flows.artifacts import series_key
+    from tasks.progress import series_key
 
     tiny = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
     series = series_key(str(tiny.target_dir), str(tiny.prompts_file))
@@ -301,8 +292,7 @@ def main() -> int:
                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DFLASH_REPORT_URL": f"http://127.0.0.1:{report_port}/"}
             store = root / "store"
             evaluate(tiny, store, env, root)
-            started.append(start_report_server(store, report_port, env, root / "report-server.log",
-                                               args.static_report))
+            started.append(start_report_server(store, report_port, env, root / "report-server.log"))
             ui_base = f"http://127.0.0.1:{port}" + ("/v2" if args.ui == "v2" else "")
             seen = [look(chromium, root / "chromium", page, args.out)
                     for page in pages(url, ui_base, f"http://127.0.0.1:{report_port}/report.html", series,

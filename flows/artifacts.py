@@ -41,8 +41,11 @@ def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
     groups = history(store)
     found = find_group(groups, results["keys"]["scores"])
     if found is not None:
-        create_table_artifact(key=keys["history"], table=history_table(found[0]),
-                              description=f"tau by training step: {found[0].title}")
+        group = found[0]
+        described = f"tau by training step: {group.title}; this run {results['tau_macro']:.3f}"
+        if group.best:
+            described += f", best {group.best['label']} {group.best['tau_macro']:.3f}"
+        create_table_artifact(key=keys["history"], table=history_table(group), description=described)
     report = plot = None
     try:
         from .report import tau_plot_path, write_report  # matplotlib: imported only when a run has scores to show

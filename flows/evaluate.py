@@ -221,7 +221,8 @@ def run_name(drafter: str, until: str = "scores", refresh=None) -> str:
 
 
 def run_tags(target: str, prompts: str, step: int | None, until: str = "scores", refresh=None) -> list[str]:
-    """The tags a flow run gets: its target, prompt set and step, and `stage-rerun` unless it is a full evaluation."""
+    """The tags a flow run gets when it starts: its target, prompt set and step, and `stage-rerun` unless it is
+    a full evaluation (`tau:<tau macro>` is added once it is scored)."""
     tags = [f"target:{Path(str(target).rstrip('/')).name}", f"prompts:{Path(str(prompts)).stem}",
             f"series:{series_key(target, prompts)}"]
     if step is not None:
@@ -418,6 +419,7 @@ def evaluate_checkpoint(
     if "scores" not in run:
         return results
     publish(results, Store(root), Path(report_dir) if report_dir else Path(root) / "report")
+    _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
     get_run_logger().info(outcome(results))
     return Completed(message=outcome(results), data=results)
 

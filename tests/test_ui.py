@@ -56,7 +56,7 @@ def test_each_run_is_named_and_tagged_by_checkpoint_and_step_and_its_state_holds
         run = read_run(flow_run_id)
         n = results["drafter"]["step"]
         assert run.name == f"{step.name} step {n}"
-        assert {"target:target", f"prompts:held-out", f"step:{n}"} <= set(run.tags)
+        assert {"target:target", "prompts:held-out", f"step:{n}", f"tau:{results['tau_macro']:.3f}"} <= set(run.tags)
         assert "stage-rerun" not in run.tags
         low, high = results["tau_macro_ci95"]
         assert run.state.is_completed()
