@@ -27,11 +27,11 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 from transformers import AutoTokenizer
 
-from dflash_core.drafter import DrafterConfig, DrafterError, check_compatible, read_drafter_config
+from dflash_core.drafter import SLIDING_SEMANTICS, DrafterConfig, DrafterError, check_compatible, read_drafter_config
 from dflash_core.prompts import PromptError
 from dflash_core.reference_backends import BackendError, open_backend
 from dflash_core.target import read_target_config
-from flows.artifacts import publish, series_key
+from flows.artifacts import publish
 from flows.history import BASELINES
 from storage import Store, read_json
 from storage.checkpoint import weight_file_problem
@@ -44,17 +44,17 @@ from tasks.heavy import heavy_stages_at_once
 from tasks.references import generate_references, load_prompts
 from tasks.scores import score
 from tasks.stage import refusals_fail_cleanly, run_entry
+from tasks.progress import series_key
 from tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
 from tasks.threads import leases_threads
 
 # The parameter types the deployment forms show as dropdowns (Prefect turns Literal into a JSON-schema enum).
 StageName = Literal["fetch", "references", "features", "drafts", "scores", "diagnostics"]
-DtypeName = Literal["auto", "float32", "bfloat16"]  # tasks/target.py: DTYPE_CHOICES
+DtypeName = Literal[DTYPE_CHOICES]
 DeviceName = Literal["cpu", "cuda"]
-SlidingSemantics = Literal["causal", "non_causal"]
+SlidingSemantics = Literal[SLIDING_SEMANTICS]
 STAGES = get_args(StageName)
 DEVICES = get_args(DeviceName)
-SLIDING_SEMANTICS = get_args(SlidingSemantics)
 # What each stage needs done first (a hand-run stage runs these too; they are usually cached).
 DEPENDS_ON = {
     "fetch": (), "references": (), "features": ("references",),
