@@ -7,9 +7,6 @@ evaluation finished) never start the same evaluation twice. An evaluation that f
 again by the next look (a new attempt, with its own key), up to MAX_ATTEMPTS times.
 """
 
-import hashlib
-import json
-
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
@@ -66,7 +63,7 @@ def watch_relay(
         run_parameters = {**settings, "drafter": f"{base_url}/{checkpoint['path']}"}
         if relay_token_file:
             run_parameters["relay_token_file"] = relay_token_file
-        identity = hashlib.sha256(json.dumps({**settings, "checkpoint": key}, sort_keys=True).encode()).hexdigest()
+        identity = key_of({**settings, "checkpoint": key})
         for attempt in range(1, MAX_ATTEMPTS + 1):
             run = run_deployment(deployment, parameters=run_parameters, timeout=0,
                                  idempotency_key=f"dflash-eval-{identity}-{attempt}",
