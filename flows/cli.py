@@ -429,7 +429,7 @@ def serve(
     threads: int = typer.Option(None, "--threads", min=1, help="CPU threads each evaluation computes with (the "
                                 "flow parameter `threads`; default: the cores / the machine's heavy-stage slots, "
                                 "see tasks/threads.py)."),
-    poll_seconds: int = typer.Option(1, "--poll-seconds", min=1, help="How often to ask the server for flow runs "
+    poll_seconds: float = typer.Option(0.25, "--poll-seconds", min=0.05, help="How often to ask the server for flow runs "
                                      "to start (Prefect's own default is 10 s; each ask is one small query)."),
     report_server: bool = typer.Option(True, "--report-server/--no-report-server", help="Serve <store>/report "
                                        "over HTTP from this process, for the report links of the Prefect UI."),

@@ -59,13 +59,14 @@ def build_deployments(target: str, prompts: str, store: str | None = None, relay
     return deployments
 
 
-def serve_deployments(poll_seconds: int = 1, **kwargs) -> None:
+def serve_deployments(poll_seconds: float = 0.25, **kwargs) -> None:
     """Register the deployments and run their flow runs from this process until interrupted.
 
     Each flow run is a fork of a forkserver that has imported the flows (flows/warm_runs.py). That needs
     the flow objects given to the runner (`add_flow`): a deployment given alone (`prefect.serve`) has its
     runs started as `python -m prefect.engine`, which imports everything again (4 s per run).
-    poll_seconds: how often the runner asks the server for runs to start (Prefect's default: 10 s).
+    poll_seconds: how often the runner asks the server for runs to start (Prefect's default: 10 s; one small
+    query each, so a run starts within a fraction of a second of its creation).
     """
     start_flow_runs_from_forkserver()
     runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)
