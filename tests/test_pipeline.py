@@ -5,6 +5,7 @@ Flows run in-process against the session's Prefect test server; command-line run
 `dflash-eval` processes reporting to the same server.
 """
 
+import copy
 import hashlib
 import json
 import os
@@ -34,8 +35,9 @@ STAGES = ("fetch", "references", "features", "drafts", "scores")
 def tiny(tiny_qwen3_run, tmp_path_factory):
     """The tiny run, with a smaller prompt file (the first N_PROMPTS held-out prompts)."""
     prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
-    tiny_qwen3_run.prompts = prompts
-    return tiny_qwen3_run
+    tiny = copy.copy(tiny_qwen3_run)  # the session's fixture stays as it is for other modules
+    tiny.prompts = prompts
+    return tiny
 
 
 def arguments(tiny, store, step=-1):

@@ -2,6 +2,7 @@
 named and recomputed, giving exactly the results of an undamaged store; never a crash for good and
 never a silently different tau."""
 
+import copy
 import hashlib
 import json
 import shutil
@@ -24,8 +25,9 @@ MAX_NEW = 64
 def tiny(tiny_qwen3_run, tmp_path_factory):
     """The tiny run, with a smaller prompt file (the first N_PROMPTS held-out prompts)."""
     prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
-    tiny_qwen3_run.prompts = prompts
-    return tiny_qwen3_run
+    tiny = copy.copy(tiny_qwen3_run)  # the session's fixture stays as it is for other modules
+    tiny.prompts = prompts
+    return tiny
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ The servers are `dflash_core.reference_server.ReferenceServer` (SGLang /generate
 /v1/completions wire formats) serving the tiny trained target.
 """
 
+import copy
 import json
 import os
 import secrets
@@ -36,9 +37,10 @@ def tiny(tiny_qwen3_run, tmp_path_factory):
     directory = tmp_path_factory.mktemp("backends")
     lines = tiny_qwen3_run.prompts_file.read_text().splitlines()[:5]
     lines += resolve_prompts("multiturn").read_text().splitlines()[:2]
-    tiny_qwen3_run.small_prompts = directory / "prompts.jsonl"
-    tiny_qwen3_run.small_prompts.write_text("\n".join(lines) + "\n")
-    return tiny_qwen3_run
+    tiny = copy.copy(tiny_qwen3_run)  # the session's fixture stays as it is for other modules
+    tiny.small_prompts = directory / "prompts.jsonl"
+    tiny.small_prompts.write_text("\n".join(lines) + "\n")
+    return tiny
 
 
 @pytest.fixture(scope="module")
