@@ -80,6 +80,7 @@ def test_broken_weights_and_run_folders_fail_at_once(tmp_path):
     assert time.monotonic() - started < 10  # neither was waited for
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_a_relay_checkpoint_still_being_written_is_waited_for(tmp_path, capfd):
     runs = tmp_path / "runs"
     runs.mkdir()

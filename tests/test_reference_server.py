@@ -388,6 +388,7 @@ def test_stall_times_the_client_out_and_the_next_request_works(server, local):
     assert out["output_ids"] == expected(local, [7, 8], max_new=3)
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_a_stalled_request_does_not_block_others_and_is_answered_after_the_stall(server, local):
     server.faults.put("stall")
     before = server.requests_served
@@ -583,6 +584,7 @@ def test_the_api_key_comes_from_a_file_or_the_environment(keyed_server, tokenize
 # --- command line
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_cli_serves_until_terminated(target_dir):
     command = [sys.executable, "-m", "flows.cli", "serve-reference", "--target", str(target_dir), "--port", "0",
                "--served-model-name", "ref"]
@@ -617,6 +619,7 @@ def test_cli_reports_a_missing_target(tmp_path):
     assert "does not exist" in result.output
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_cli_serves_behind_an_api_key_file(target_dir, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")

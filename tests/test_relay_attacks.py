@@ -139,6 +139,7 @@ def _closed_by_server(socks: list[socket.socket], within: float) -> list[socket.
     return list(open_socks)
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_half_open_requests_do_not_exhaust_the_server(root, tmp_path):
     """450 connections from one address each send half a request and stop, no token needed: with the
     default bounds the relay serves at most 32 of them (one thread each) and answers the rest 503 at

@@ -8,6 +8,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # starts Prefect flow runs in new processes
+
 PROBE = textwrap.dedent('''
     import json, os, sys
     from prefect import flow
