@@ -19,62 +19,18 @@ Run: .venv/bin/python benchmarks/bench_fixed_cost.py [--mode by-hand|served|both
 """
 
 import argparse
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
-from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
-from flows.evaluate import run_name
-
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def api(url: str, path: str, body: dict | None = None, attempts: int = 5):
-    """One call of the server's REST API; retries a 503 (the server's database busy while serve registers)."""
-    request = urllib.request.Request(f"{url}{path}", data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"},
-                                     method="GET" if body is None else "POST")
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            if e.code != 503 or attempt == attempts - 1:
-                raise
-            time.sleep(0.5)
-
-
-def start_server(home: Path, port: int) -> tuple[subprocess.Popen, str]:
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            api(url, "/health")
-            return server, url
-        except OSError:
-            if server.poll() is not None:
-                sys.exit(f"prefect server start exited with {server.returncode}")
-            time.sleep(0.5)
-    server.kill()
-    sys.exit("the Prefect server did not become healthy within 120 s")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a plain checkout, not installed too
+from benchmarks.prefect_server import BIN, api, free_port, start_prefect_server, stop  # noqa: E402
+from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
+from flows.evaluate import run_name  # noqa: E402
 
 
 def timestamp(text: str) -> float:
@@ -112,7 +68,7 @@ def start_serve(env: dict, tiny, store: Path, log: Path, url: str) -> tuple[subp
                               "--prompts", str(tiny.prompts_file), "--store", str(store),
                               "--max-new-tokens", str(tiny.record["settings"]["max_new_tokens"]),
                               "--report-port", "0"],
-                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+                             env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if serve.poll() is not None:
@@ -121,7 +77,7 @@ def start_serve(env: dict, tiny, store: Path, log: Path, url: str) -> tuple[subp
         if found:
             return serve, found[0]["id"]
         time.sleep(0.5)
-    serve.kill()
+    stop(serve)
     sys.exit("dflash-eval serve registered no deployment within 120 s")
 
 
@@ -136,7 +92,7 @@ def main() -> None:
     tiny = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
     with tempfile.TemporaryDirectory(prefix="dflash-bench-fixed-") as tmp:
         root = Path(tmp)
-        server, url = start_server(root / "prefect", args.port or free_port())
+        server, url = start_prefect_server(root / "prefect", args.port or free_port(), root / "prefect-server.log")
         try:
             env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(root / "prefect"),
                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
@@ -147,11 +103,7 @@ def main() -> None:
                 served(tiny, root / "store-served", env, url, root / "serve.log")
             print(f"load average (1 min) at end: {os.getloadavg()[0]:.2f}")
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop(server)
 
 
 def summary(rows: list[tuple[str, float, float]]) -> str:
@@ -216,11 +168,7 @@ def served(tiny, store: Path, env: dict, url: str, log: Path) -> None:
                   f"without the poll {(wall - pickup) / flow:4.2f}x")
         print("  served, " + summary(rows))
     finally:
-        serve.terminate()
-        try:
-            serve.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            serve.kill()
+        stop(serve, seconds=60)
 
 
 if __name__ == "__main__":

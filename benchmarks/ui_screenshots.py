@@ -34,24 +34,22 @@ Run: .venv/bin/python benchmarks/ui_screenshots.py [--out DIR] [--ui v1|v2] [--a
 
 import argparse
 import html
-import json
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a plain checkout, not installed too
+from benchmarks.prefect_server import BIN, api, free_port, start_prefect_server, stop  # noqa: E402
+from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
 
-BIN = Path(sys.executable).parent
 WINDOW = "1400,1000"
 BUDGETS_MS = (5000, 10000, 20000, 40000)  # virtual time per load, longer on each retry
 TAU = re.compile(r"\btau\b.{0,80}?(?<![\d.])\d+\.\d{2,}(?![\d.])", re.IGNORECASE | re.DOTALL)
@@ -62,27 +60,6 @@ class Failure(Exception):
     """An error that stops the script (exit 2) with its message."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def api(url: str, path: str, body: dict | None = None, attempts: int = 5):
-    """One call of the Prefect server's REST API; retries a 503 (the database busy)."""
-    request = urllib.request.Request(f"{url}{path}", data=None if body is None else json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"},
-                                     method="GET" if body is None else "POST")
-    for attempt in range(attempts):
-        try:
-            with urllib.request.urlopen(request, timeout=10) as response:
-                return json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            if e.code != 503 or attempt == attempts - 1:
-                raise
-            time.sleep(0.5)
-
-
 def find_chromium() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
         if path := shutil.which(name):
@@ -90,48 +67,6 @@ def find_chromium() -> str:
     if os.access("/usr/bin/chromium", os.X_OK):
         return "/usr/bin/chromium"
     raise Failure("chromium not found: install it (Debian/Ubuntu: `apt-get install chromium`)")
-
-
-def stop(process: subprocess.Popen, seconds: float = 30) -> None:
-    """Terminate a process started here (its own process group) and wait for it."""
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        process.wait(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def start_prefect(home: Path, port: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """`prefect server start` with the UI pointed at its own port; returns it and its API URL."""
-    url = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_API_URL": url}
-    env.pop("PREFECT_API_URL", None)
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            api(url, "/health")
-            break
-        except OSError:
-            if server.poll() is not None:
-                raise Failure(f"prefect server start exited with {server.returncode}:\n{log.read_text()[-3000:]}")
-            time.sleep(0.5)
-    else:
-        stop(server)
-        raise Failure("the Prefect server did not become healthy within 120 s")
-    settings = api(f"http://127.0.0.1:{port}", "/ui-settings")
-    if settings.get("api_url") != url:
-        stop(server)
-        raise Failure(f"the UI would call {settings.get('api_url')}, not {url} (PREFECT_UI_API_URL ignored?)")
-    return server, url
 
 
 def evaluate(tiny, store: Path, env: dict, logs: Path) -> None:
@@ -284,7 +219,10 @@ def main() -> int:
             port = args.port or free_port()
             while port == 4200:
                 port = free_port()
-            server, url = start_prefect(root / "prefect", port, root / "prefect-server.log")
+            try:
+                server, url = start_prefect_server(root / "prefect", port, root / "prefect-server.log")
+            except RuntimeError as e:
+                raise Failure(str(e)) from None
             started.append(server)
             print(f"Prefect server: http://127.0.0.1:{port} (UI calls {url})")
             report_port = free_port()

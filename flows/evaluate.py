@@ -420,8 +420,9 @@ def evaluate_checkpoint(
         return results
     publish(results, Store(root), Path(report_dir) if report_dir else Path(root) / "report")
     _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
-    get_run_logger().info(outcome(results))
-    return Completed(message=outcome(results), data=results)
+    found = outcome(results)
+    get_run_logger().info(found)
+    return Completed(message=found, data=results)
 
 
 def mark_baseline(store: Store, checkpoint) -> None:
