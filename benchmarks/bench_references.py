@@ -19,16 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
-from dflash_core.reference_backends import SGLangBackend
+from dflash_core.reference.backends import SGLangBackend
 from dflash_core.target import read_target_config
-from dflash_core.tiny_build import default_cache_root, tiny_run
+from dflash_core.tiny.build import default_cache_root, tiny_run
 
 
 def start_server(target_dir) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reference", "--target", str(target_dir),
+    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.flows.cli", "serve-reference", "--target", str(target_dir),
                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:
         if "listening on" in line:

@@ -34,15 +34,15 @@ from pathlib import Path
 
 import requests
 
-from storage.hashing import file_sha256
-from storage.relay_client import RelayClient
+from dflash_eval.storage.hashing import file_sha256
+from dflash_eval.storage.relay.client import RelayClient
 
 
 def start_relay(root: Path, state: Path, max_rate_mb: float | None = None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "flows.cli", "relay", "serve", str(root), "--port", str(port),
+    command = [sys.executable, "-m", "dflash_eval.flows.cli", "relay", "serve", str(root), "--port", str(port),
                "--settle-seconds", "0", "--state-dir", str(state)]
     if max_rate_mb:
         command += ["--max-rate-mb", str(max_rate_mb)]
@@ -103,6 +103,16 @@ def measure(served: Path, state: Path, names: list[str], max_rate_mb: float | No
         client.close()
 
 
+def write_shard(path: Path, tensor: str, nbytes: int) -> None:
+    """A safetensors file of one uint8 tensor of random bytes (the relay checks that a weight file is as
+    long as its header says)."""
+    header = json.dumps({tensor: {"dtype": "U8", "shape": [nbytes], "data_offsets": [0, nbytes]}}).encode()
+    with open(path, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        for _ in range(nbytes >> 20):
+            f.write(os.urandom(1 << 20))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--files", type=int, default=3)
@@ -116,14 +126,16 @@ def main():
         checkpoint.mkdir(parents=True)
         (checkpoint / "config.json").write_text(json.dumps({"block_size": 16}))
         names = [f"model-{i:05d}-of-{args.files:05d}.safetensors" for i in range(1, args.files + 1)]
-        for name in names:
-            with open(checkpoint / name, "wb") as f:
-                for _ in range(args.mb):
-                    f.write(os.urandom(1 << 20))
+        for i, name in enumerate(names):
+            write_shard(checkpoint / name, f"layers.{i}.weight", args.mb << 20)
+        # The index the relay requires of a sharded save before it publishes it (finished, not being written).
+        index = {"metadata": {}, "weight_map": {f"layers.{i}.weight": name for i, name in enumerate(names)}}
+        (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+        names.append("model.safetensors.index.json")
         total_mb = sum(p.stat().st_size for p in checkpoint.iterdir()) / 1e6
         sha_mb = sha256_rate() / 1e6
         parallel = inspect.signature(RelayClient.download).parameters["parallel"].default
-        print(f"{total_mb:.0f} MB in {args.files + 1} files, best of 3; relay client: up to {parallel} files in "
+        print(f"{total_mb:.0f} MB in {len(names) + 1} files, best of 3; relay client: up to {parallel} files in "
               f"parallel, resumable, every file sha256-verified")
         for rate in [None, *args.link_mb]:
             t = measure(tmp / "served", tmp / "state", names, rate, tmp / "scratch")

@@ -30,8 +30,8 @@ import torch
 
 from dflash_core.drafter import DFlashDrafter, DrafterConfig, save_drafter
 from dflash_core.replay import Reference, replay
-from storage import file_sha256
-from storage.feature_store import FeatureStore
+from dflash_eval.storage import file_sha256
+from dflash_eval.storage.feature_store import FeatureStore
 
 
 def timed(fn):

@@ -3,7 +3,7 @@
 Starts a Prefect server (`prefect server start` on a free port, a temporary PREFECT_HOME, analytics off,
 PREFECT_UI_API_URL pointing at that port: without it the UI's /ui-settings say
 http://127.0.0.1:4200/api and every page shows "Can't connect to Server API at http://127.0.0.1:4200/api"),
-evaluates each drafter step of the tiny trained Qwen3 run (dflash_core.tiny_build) with `dflash-eval run`,
+evaluates each drafter step of the tiny trained Qwen3 run (dflash_core.tiny.build) with `dflash-eval run`,
 starts the report server (`dflash-eval report --serve`), then opens four pages in headless Chromium:
 
   runs       /runs                                     the runs list
@@ -48,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a plain checkout, not installed too
 from benchmarks.prefect_server import BIN, api, free_port, start_prefect_server, stop  # noqa: E402
-from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
+from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
 
 WINDOW = "1400,1000"
 BUDGETS_MS = (5000, 10000, 20000, 40000)  # virtual time per load, longer on each retry
@@ -207,7 +207,7 @@ def main() -> int:
     args = parser.parse_args()
 
     chromium = find_chromium()
-    from tasks.progress import series_key
+    from dflash_eval.tasks.progress import series_key
 
     tiny = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
     series = series_key(str(tiny.target_dir), str(tiny.prompts_file))

@@ -21,8 +21,8 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
-from storage import Store
-from tasks.progress import series_key
+from dflash_eval.storage import Store
+from dflash_eval.tasks.progress import series_key
 
 from .history import find_group, history
 from .report_server import report_url

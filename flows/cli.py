@@ -10,8 +10,8 @@ from typing import NoReturn
 
 import typer
 
-from flows.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, PortInUse, ReportServer, report_url
-from flows.store_paths import (is_storage_full, storage_full_message, store_problem, store_root, store_write_problem,
+from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, PortInUse, ReportServer, report_url
+from dflash_eval.flows.store_paths import (is_storage_full, storage_full_message, store_problem, store_root, store_write_problem,
                                writable_problem)
 
 # This tool runs offline: Prefect's temporary server must not try to send telemetry.
@@ -64,14 +64,14 @@ SETTLE_SECONDS = typer.Option(30.0, "--settle-seconds", envvar="DFLASH_SETTLE_SE
 
 def _configure_threads(threads: int | None) -> None:
     """This process's thread budget, set before anything computes (tasks/threads.py)."""
-    from tasks.threads import configure_threads
+    from dflash_eval.tasks.threads import configure_threads
 
     configure_threads(threads)
 
 
 def _decoding_threads(target: str) -> int:
     """Threads for greedy decoding of `target` (one token per forward) on this machine by default."""
-    from tasks.threads import checkpoint_parameters, default_threads, threads_for
+    from dflash_eval.tasks.threads import checkpoint_parameters, default_threads, threads_for
 
     return threads_for(checkpoint_parameters(target), default_threads())
 
@@ -79,10 +79,10 @@ def _decoding_threads(target: str) -> int:
 def _evaluate(**kwargs) -> dict:
     """Check the inputs (one clear error, nothing written), then run the flow."""
     _configure_threads(kwargs.get("threads"))
-    from flows.evaluate import InputError, check_arguments, check_inputs, evaluate_checkpoint, inputs_checked_by_caller
+    from dflash_eval.flows.evaluate import InputError, check_arguments, check_inputs, evaluate_checkpoint, inputs_checked_by_caller
     from dflash_core.drafter import DrafterError
-    from dflash_core.reference_backends import BackendError
-    from tasks.fetch import CheckpointError
+    from dflash_core.reference.backends import BackendError
+    from dflash_eval.tasks.fetch import CheckpointError
 
     if problem := store_problem(kwargs.get("store")):
         _fail(problem)
@@ -92,7 +92,7 @@ def _evaluate(**kwargs) -> dict:
         if problem := store_write_problem(store_root(kwargs.get("store"))):
             _fail(problem)
         if _local_server_needed():  # after the checks: bad input costs no server start-up
-            from flows.local_server import tie_local_server  # imports Prefect's server (~1 s): only to start one
+            from dflash_eval.flows.local_server import tie_local_server  # imports Prefect's server (~1 s): only to start one
 
             tie_local_server()
         # errors handled below get one line, so Prefect's console tracebacks of them are left out
@@ -286,7 +286,7 @@ def stage(
     settle_seconds: float = SETTLE_SECONDS, threads: int = THREADS,
 ):
     """Run one stage by hand (and the stages it needs, from the store when they are there)."""
-    from flows.evaluate import STAGES
+    from dflash_eval.flows.evaluate import STAGES
 
     if name not in STAGES:
         raise typer.BadParameter(f"one of {', '.join(STAGES)}, got {name!r}", param_hint="NAME")
@@ -309,7 +309,7 @@ def demo(
 ):
     """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved
     step through the full flow, print tau per step. No server, no GPU, no downloads."""
-    from dflash_core.tiny_build import default_cache_root, tiny_run
+    from dflash_core.tiny.build import default_cache_root, tiny_run
 
     _check_out(out, folder=True)
     _configure_threads(threads)  # before a first demo trains the tiny models
@@ -351,7 +351,7 @@ def serve_reference(
 
     Example: dflash-eval serve-reference --target runs/tiny/target --port 30000
     """
-    from dflash_core.reference_server import DTYPES, serve_reference as serve
+    from dflash_core.reference.server import DTYPES, serve_reference as serve
 
     if dtype != "auto" and dtype not in DTYPES:
         raise typer.BadParameter(f"one of auto, {', '.join(DTYPES)}, got {dtype!r}", param_hint="--dtype")
@@ -365,7 +365,7 @@ def serve_reference(
             raise typer.BadParameter(f"{api_key_file} is empty", param_hint="--api-key-file")
     try:
         if dtype == "auto":
-            from tasks.target import resolve_dtype
+            from dflash_eval.tasks.target import resolve_dtype
 
             choice = resolve_dtype(dtype, target)
             dtype = choice.name
@@ -387,8 +387,8 @@ def notify(
 ):
     """For training scripts: announce a saved checkpoint (event dflash.checkpoint.saved), which starts
     its evaluation. Always exits 0 and within seconds: an unreachable server is only reported."""
-    from flows.notify import EVENT
-    from flows.notify import notify as send
+    from dflash_eval.flows.notify import EVENT
+    from dflash_eval.flows.notify import notify as send
 
     if send(checkpoint, step, api_url):
         typer.echo(f"sent {EVENT} for {checkpoint}")
@@ -404,7 +404,7 @@ def watch(
     """Look at a relay once: start the evaluate-checkpoint deployment for each checkpoint not scored
     yet, oldest step first (what the watch-relay deployment does on its schedule). Needs a Prefect
     server with the deployment (`dflash-eval serve`)."""
-    from flows.watch import watch_relay
+    from dflash_eval.flows.watch import watch_relay
 
     started = watch_relay(relay=relay, target=_absolute(target), prompts=_absolute(prompts),
                           store=str(Path(store).resolve()) if store else None, max_new_tokens=max_new_tokens,
@@ -446,7 +446,7 @@ def serve(
     if set, is the address the runs link to instead: a reverse proxy's)."""
     import os
 
-    from flows.deployments import serve_deployments
+    from dflash_eval.flows.deployments import serve_deployments
 
     if not os.environ.get("PREFECT_API_URL"):
         typer.secho("error: set PREFECT_API_URL to a Prefect server (`prefect server start`): deployments, "
@@ -479,8 +479,8 @@ def history_command(store: str = STORE):
     from rich.console import Console
     from rich.table import Table
 
-    from flows.history import history
-    from storage import Store
+    from dflash_eval.flows.history import history
+    from dflash_eval.storage import Store
 
     groups = history(Store(store))
     if not groups:
@@ -520,8 +520,8 @@ def report_command(
     Example: dflash-eval report --out report/
     Example: dflash-eval report --serve --host 0.0.0.0 --port 8765
     """
-    from flows.report import NothingToReport, write_report
-    from storage import Store
+    from dflash_eval.flows.report import NothingToReport, write_report
+    from dflash_eval.storage import Store
 
     if out is None and not serve:
         raise typer.BadParameter("give the folder to write the report into (or --serve: <store>/report)",
@@ -582,8 +582,8 @@ def verify_command(
 
     Example: dflash-eval verify --store .dflash-store --repair
     """
-    from storage import Store
-    from storage.integrity import verify_store
+    from dflash_eval.storage import Store
+    from dflash_eval.storage.integrity import verify_store
 
     report = verify_store(Store(store), repair=repair)
     for problem in report.problems:
@@ -639,7 +639,7 @@ def relay_serve(
     """
     import logging
 
-    from storage.relay_server import DEFAULT_STATE_DIR, RelayServer
+    from dflash_eval.storage.relay.server import DEFAULT_STATE_DIR, RelayServer
 
     if root is None and upstream is None:
         raise typer.BadParameter("give a folder to serve, or --upstream", param_hint="ROOT")
@@ -668,8 +668,8 @@ def relay_ls(
     from rich.console import Console
     from rich.table import Table
 
-    from storage import Store
-    from storage.relay_client import RelayClient, RelayError
+    from dflash_eval.storage import Store
+    from dflash_eval.storage.relay.client import RelayClient, RelayError
 
     try:
         client = RelayClient(url, token=_token(token_file))
@@ -700,7 +700,7 @@ def tiny_build(
 
     Example: dflash-eval tiny build --out runs/tiny
     """
-    from dflash_core.tiny_build import TinyBuildSettings, build_tiny
+    from dflash_core.tiny.build import TinyBuildSettings, build_tiny
 
     if arch not in ("qwen3", "qwen3_5"):
         raise typer.BadParameter(f"arch must be qwen3 or qwen3_5, got {arch!r}", param_hint="--arch")

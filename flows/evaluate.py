@@ -29,24 +29,24 @@ from transformers import AutoTokenizer
 
 from dflash_core.drafter import SLIDING_SEMANTICS, DrafterConfig, DrafterError, check_compatible, read_drafter_config
 from dflash_core.prompts import PromptError
-from dflash_core.reference_backends import BackendError, open_backend
+from dflash_core.reference.backends import BackendError, open_backend
 from dflash_core.target import read_target_config
-from flows.artifacts import publish
-from flows.history import BASELINES
-from storage import Store, read_json
-from storage.checkpoint import weight_file_problem
-from storage.relay_client import RelayError
-from tasks.diagnostics import diagnose, layers_needed
-from tasks.drafts import draft
-from tasks.features import extract_target_features
-from tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, await_checkpoint, fetch_checkpoint, read_config, source_step
-from tasks.heavy import heavy_stages_at_once
-from tasks.references import generate_references, load_prompts
-from tasks.scores import score
-from tasks.stage import refusals_fail_cleanly, run_entry
-from tasks.progress import series_key
-from tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
-from tasks.threads import leases_threads
+from dflash_eval.flows.artifacts import publish
+from dflash_eval.flows.history import BASELINES
+from dflash_eval.storage import Store, read_json
+from dflash_eval.storage.checkpoint import weight_file_problem
+from dflash_eval.storage.relay.client import RelayError
+from dflash_eval.tasks.diagnostics import diagnose, layers_needed
+from dflash_eval.tasks.drafts import draft
+from dflash_eval.tasks.features import extract_target_features
+from dflash_eval.tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, await_checkpoint, fetch_checkpoint, read_config, source_step
+from dflash_eval.tasks.heavy import heavy_stages_at_once
+from dflash_eval.tasks.references import generate_references, load_prompts
+from dflash_eval.tasks.scores import score
+from dflash_eval.tasks.stage import refusals_fail_cleanly, run_entry
+from dflash_eval.tasks.progress import series_key
+from dflash_eval.tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
+from dflash_eval.tasks.threads import leases_threads
 
 # The parameter types the deployment forms show as dropdowns (Prefect turns Literal into a JSON-schema enum).
 StageName = Literal["fetch", "references", "features", "drafts", "scores", "diagnostics"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from storage import CorruptEntryWarning, EntryMissing, Store, read_json
-from storage.integrity import StaleEntryWarning, stale_upstream
+from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, read_json
+from dflash_eval.storage.integrity import StaleEntryWarning, stale_upstream
 
 BASELINES = "baselines"  # store stage: one entry per checkpoint key scored as a baseline
 _NEVER = datetime.min.replace(tzinfo=timezone.utc)  # a scores entry without a readable commit time sorts first

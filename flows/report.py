@@ -35,9 +35,9 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from flows.history import Group, history
-from storage import EntryMissing, Store, read_json
-from storage.records import write_bytes_atomic
+from dflash_eval.flows.history import Group, history
+from dflash_eval.storage import EntryMissing, Store, read_json
+from dflash_eval.storage.records import write_bytes_atomic
 
 DIAGNOSTICS = "diagnostics"  # store stage: one entry per diagnosed checkpoint, holding diagnostics.json
 DPI = 110

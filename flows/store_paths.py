@@ -12,7 +12,7 @@ import stat
 import tempfile
 from pathlib import Path
 
-from storage import Store
+from dflash_eval.storage import Store
 
 # errno -> what happened, for a write that failed for want of room
 STORAGE_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",

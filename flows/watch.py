@@ -10,9 +10,9 @@ again by the next look (a new attempt, with its own key), up to MAX_ATTEMPTS tim
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
-from storage import Store, key_of
-from storage.relay_client import RelayClient
-from tasks.fetch import CheckpointError, await_checkpoint, fetched_files, relay_token
+from dflash_eval.storage import Store, key_of
+from dflash_eval.storage.relay.client import RelayClient
+from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, fetched_files, relay_token
 
 from .evaluate import run_name
 from .history import history

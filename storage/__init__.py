@@ -1,7 +1,7 @@
 """Content hashing, the content-addressed store, and zarr feature arrays.
 
 Imports neither Prefect nor dflash_core: it stores arrays, tensors and JSON, and the
-callers (tasks/) convert. `storage.feature_store` imports torch and zarr, so it is not
+callers (tasks/) convert. `dflash_eval.storage.feature_store` imports torch and zarr, so it is not
 imported here; `from storage.feature_store import FeatureStore`.
 """
 

@@ -14,8 +14,8 @@ from dflash_core.metrics import PromptScore, tau_macro
 from dflash_core.replay import ReplayResult, replay
 from dflash_core.target import read_target_config
 from dflash_core.token_head import load_token_head
-from storage import Store, key_of, read_json, write_json_atomic
-from storage.integrity import entry_label, features_label, upstream_digests
+from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
+from dflash_eval.storage.integrity import entry_label, features_label, upstream_digests
 
 from .drafts import PROMPTS_PER_GROUP, Drafts, verify_checkpoint
 from .features import FeatureReader, FeatureSet

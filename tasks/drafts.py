@@ -16,8 +16,8 @@ from prefect.cache_policies import NONE
 from dflash_core.drafter import check_compatible, load_drafter, read_drafter_config
 from dflash_core.replay import replay
 from dflash_core.token_head import load_token_head
-from storage import EntryMissing, Store, key_of, write_json_atomic
-from storage.integrity import entry_label, features_label, upstream_digests
+from dflash_eval.storage import EntryMissing, Store, key_of, write_json_atomic
+from dflash_eval.storage.integrity import entry_label, features_label, upstream_digests
 
 from .features import FeatureReader, FeatureSet
 from .fetch import Checkpoint

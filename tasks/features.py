@@ -19,9 +19,9 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.features import extract_features, length_sorted_batches
-from storage import EntryMissing, Store, key_of
-from storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
-from storage.integrity import entry_label, upstream_digests
+from dflash_eval.storage import EntryMissing, Store, key_of
+from dflash_eval.storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
+from dflash_eval.storage.integrity import entry_label, upstream_digests
 
 from .heavy import heavy_stage
 from .progress import StageProgress, stage_logger

@@ -1,7 +1,7 @@
 """Fetch stage: bring a drafter checkpoint into the store, verified, keyed by its files' digests.
 
 Sources: a local folder (or `file://` URL), or a relay URL `http(s)://relay:port/<path>` (see
-storage/relay_server.py). Only the files the drafter needs travel (`storage.checkpoint`: config,
+storage/relay_server.py). Only the files the drafter needs travel (`dflash_eval.storage.checkpoint`: config,
 weights, trainer_state.json, plus `include` patterns): optimizer, scheduler, RNG and per-rank state
 are never read, hashed, sent or stored. Both sources give the same key for the same files, so a
 checkpoint fetched once is never downloaded or copied again, whichever way it is named (a SpecForge
@@ -10,7 +10,7 @@ checkpoint fetched once is never downloaded or copied again, whichever way it is
 A checkpoint the trainer is still writing is waited for, bounded by `wait_seconds`: a folder is
 ready once none of its files changed for `settle_seconds` and its weights are whole, a relay says
 409 until then. Where the checkpoint has no config.json, the drafter config comes from the run
-folder (the relay and `storage.checkpoint` find it) or from `drafter_config`; the record says which.
+folder (the relay and `dflash_eval.storage.checkpoint` find it) or from `drafter_config`; the record says which.
 
 The store holds every checkpoint in the published format (config.json + model.safetensors or
 shards): a SpecForge `training_state.pt` is read without executing it, its drafter weights are
@@ -30,8 +30,8 @@ from prefect.cache_policies import NONE
 
 from dflash_core.drafter import DrafterConfig, DrafterError
 from dflash_core.drafter_weights import check_drafter_weights, export_drafter_weights
-from storage import Store, file_sha256, key_of
-from storage.checkpoint import (
+from dflash_eval.storage import Store, file_sha256, key_of
+from dflash_eval.storage.checkpoint import (
     CONFIG,
     TRAINING_STATE,
     WEIGHTS,
@@ -43,7 +43,7 @@ from storage.checkpoint import (
     step_from_name,
     training_step,
 )
-from storage.relay_client import RelayClient, RelayError, parse_checkpoint_url
+from dflash_eval.storage.relay.client import RelayClient, RelayError, parse_checkpoint_url
 
 from .progress import StageProgress, stage_logger
 from .stage import cached, refusals_fail_cleanly, run_entry

@@ -23,11 +23,11 @@ from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
 from dflash_core.prompts import Prompt, prompt_set_identity, read_prompts, resolve_prompts, turn_prompt_ids
-from dflash_core.reference_backends import (TOKENIZER_LOCK, BackendError, LocalBackend, ServerModelChanged,
+from dflash_core.reference.backends import (TOKENIZER_LOCK, BackendError, LocalBackend, ServerModelChanged,
                                              fingerprint_difference, open_backend)
 from dflash_core.replay import Reference
 from dflash_core.target import read_target_config
-from storage import Store, key_of, read_json, write_json_atomic
+from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 
 from .progress import StageProgress, stage_logger
 from .stage import cached, run_entry
@@ -171,7 +171,7 @@ def generate_references(
     reference_api_key_file: str | None = None,
 ):
     """Greedy completions, temperature 0, from the target in this process (reference="local") or a
-    server (see dflash_core.reference_backends); lookahead > 0 also keeps that many greedy tokens past
+    server (see dflash_core.reference.backends); lookahead > 0 also keeps that many greedy tokens past
     each completion's end, so its last decode step is scored against a whole block.
     reference_api_key_file: a file holding the server's API key (else $DFLASH_REFERENCE_API_KEY);
     the key is sent, never part of the references' key."""

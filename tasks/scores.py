@@ -7,8 +7,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.metrics import PromptScore, all_positions_tau, summarize
-from storage import Store, key_of, read_json, write_json_atomic
-from storage.integrity import entry_label, upstream_digests
+from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
+from dflash_eval.storage.integrity import entry_label, upstream_digests
 
 from .drafts import Drafts
 from .references import ReferenceSet, load_references

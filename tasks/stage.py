@@ -20,8 +20,8 @@ from typing import Any
 
 from prefect.states import Completed, Failed, State
 
-from storage import EntryMissing, Store
-from storage.integrity import changed_upstream
+from dflash_eval.storage import EntryMissing, Store
+from dflash_eval.storage.integrity import changed_upstream
 
 from .progress import stage_logger
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_core.target import Target, checkpoint_dtype, load_target
-from storage import Store, directory_digest
+from dflash_eval.storage import Store, directory_digest
 
 # What the stages compute in, by the name their store keys hold. float16 is not one of them: hidden
 # states of large targets overflow in fp16 (DESIGN.md).

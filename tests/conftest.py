@@ -68,15 +68,15 @@ def qwen2_5_vl_dir(tmp_path_factory):
 # code and settings under $DFLASH_TINY_CACHE or ~/.cache/dflash-eval/tiny), a few minutes when missing.
 @pytest.fixture(scope="session")
 def tiny_qwen3_run():
-    from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
+    from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
 
     return tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_run():
-    from dflash_core.drafter_training import DrafterTrainingSettings
-    from dflash_core.tiny_build import TinyBuildSettings, default_cache_root, tiny_run
+    from dflash_core.tiny.training import DrafterTrainingSettings
+    from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
 
     # two saved steps are enough here (the Qwen3 fixture covers tau rising with training)
     settings = TinyBuildSettings(arch="qwen3_5", drafter_training=DrafterTrainingSettings(steps=200, save_every=100))

@@ -2,7 +2,7 @@
 
 Usage: python -m tests.fault_run WHEN:K EVENTS_FILE <dflash-eval arguments...>
 
-Writes are the store's record writes (`storage.records.write_bytes_atomic`: references, drafts,
+Writes are the store's record writes (`dflash_eval.storage.records.write_bytes_atomic`: references, drafts,
 scores, entry.json, ...), feature array writes (`FeatureStore.write`) and file copies (the fetch
 stage's `shutil.copyfile`). Each write is appended to EVENTS_FILE (index, kind, path) before it
 happens. WHEN is `before` or `after` (the K-th write): no cleanup, no flushing, like the OOM killer.
@@ -14,8 +14,8 @@ import shutil
 import signal
 import sys
 
-import storage.records
-from storage.feature_store import FeatureStore
+import dflash_eval.storage.records
+from dflash_eval.storage.feature_store import FeatureStore
 
 when, _, limit = sys.argv[1].partition(":")
 limit, events_file = int(limit or 0), sys.argv[2]
@@ -43,7 +43,7 @@ FeatureStore.write = counted("array", FeatureStore.write, lambda store, layer, s
 shutil.copyfile = counted("copy", shutil.copyfile, lambda source, destination, *_: destination)
 
 if __name__ == "__main__":
-    from flows.cli import main
+    from dflash_eval.flows.cli import main
 
     sys.argv = ["dflash-eval", *sys.argv[3:]]
     main()

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 
-from storage.feature_store import FeatureStore
+from dflash_eval.storage.feature_store import FeatureStore
 
 limit = int(sys.argv[1])
 written = 0
@@ -25,7 +25,7 @@ def write_then_maybe_die(self, *args, **kwargs):
 FeatureStore.write = write_then_maybe_die
 
 if __name__ == "__main__":
-    from flows.cli import main
+    from dflash_eval.flows.cli import main
 
     sys.argv = ["dflash-eval", *sys.argv[2:]]
     main()

@@ -24,7 +24,7 @@ def rows_for(seq_index: int) -> int:
 
 def write_sequences(path, layer_ids, seq_indices, width, max_chunk_bytes, barrier=None, rows=None):
     """Write the given sequences (all `layer_ids`) into a FeatureStore, optionally starting at a barrier."""
-    from storage.feature_store import FeatureStore
+    from dflash_eval.storage.feature_store import FeatureStore
 
     store = FeatureStore(path, max_chunk_bytes=max_chunk_bytes)
     if barrier is not None:
@@ -37,7 +37,7 @@ def write_sequences(path, layer_ids, seq_indices, width, max_chunk_bytes, barrie
 
 def compute_slowly(root, stage, key, started_path, seconds):
     """get_or_compute whose computation announces itself, then takes `seconds`."""
-    from storage import Store
+    from dflash_eval.storage import Store
 
     def compute(entry_dir: Path) -> dict:
         Path(started_path).write_text("started")
@@ -50,7 +50,7 @@ def compute_slowly(root, stage, key, started_path, seconds):
 
 def hold_lock(root, stage, key, ready_path, seconds):
     """Take the entry lock, announce it, and hold it for `seconds` (the test kills us first)."""
-    from storage import Store
+    from dflash_eval.storage import Store
 
     with Store(root).lock(stage, key):
         Path(ready_path).write_text("locked")
@@ -59,7 +59,7 @@ def hold_lock(root, stage, key, ready_path, seconds):
 
 def hash_through_cache(cache_path, file_paths, rounds):
     """Hash files through one shared DigestCache, `rounds` times each."""
-    from storage import DigestCache
+    from dflash_eval.storage import DigestCache
 
     for _ in range(rounds):
         cache = DigestCache(cache_path)

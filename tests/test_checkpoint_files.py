@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from storage.checkpoint import (
+from dflash_eval.storage.checkpoint import (
     INDEX,
     CheckpointBroken,
     checkpoint_files,

@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
+from dflash_eval.flows.cli import app
 
 
 @pytest.mark.slow

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.evaluate import STAGES
-from storage.relay_server import RelayServer
+from dflash_eval.flows.evaluate import STAGES
+from dflash_eval.storage.relay.server import RelayServer
 
 from tests.tiny_models import first_prompts
 
@@ -86,7 +86,7 @@ def served(prefect_server, setup):
                "PREFECT_LOGGING_LEVEL": "INFO"}
         log = open(setup["root"] / "serve.log", "w")
         serve = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "serve", "--target", str(setup["tiny"].target_dir),
+            [sys.executable, "-m", "dflash_eval.flows.cli", "serve", "--target", str(setup["tiny"].target_dir),
              "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
              "--relay", relay.url, "--watch-interval", "3600", "--settle-seconds", "3", "--report-port", "0"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
@@ -156,7 +156,7 @@ def test_deployments_are_served(prefect_server, served):
 def watch(prefect_server, relay_url, setup, out: Path) -> subprocess.Popen:
     """One look at the relay by `dflash-eval watch`, in its own process, as a scheduled watcher runs."""
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "watch", "--relay", relay_url, "--target", str(setup["tiny"].target_dir),
+        [sys.executable, "-m", "dflash_eval.flows.cli", "watch", "--relay", relay_url, "--target", str(setup["tiny"].target_dir),
          "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
          "--out", str(out)],
         env={**os.environ, "PREFECT_API_URL": prefect_server["url"]}, stdout=subprocess.PIPE,
@@ -203,7 +203,7 @@ def slot_intervals(client, run_ids) -> list[tuple]:
     """(taken, released) times of the heavy-stage slots the flow runs held, from the logs the server has."""
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    from tasks.heavy import SLOT_RELEASED, SLOT_TAKEN
+    from dflash_eval.tasks.heavy import SLOT_RELEASED, SLOT_TAKEN
 
     logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=run_ids)))
     taken = sorted((log.timestamp, log.task_run_id) for log in logs if log.message.startswith(SLOT_TAKEN))
@@ -212,7 +212,7 @@ def slot_intervals(client, run_ids) -> list[tuple]:
 
 
 def test_watcher_retries_a_failed_evaluation_a_bounded_number_of_times(prefect_server, served, setup, tmp_path):
-    from flows.watch import MAX_ATTEMPTS
+    from dflash_eval.flows.watch import MAX_ATTEMPTS
 
     broken = tmp_path / "runs" / "run2" / "step_50"
     shutil.copytree(setup["tiny"].drafter_steps[0], broken)
@@ -243,7 +243,7 @@ def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
     checkpoint = setup["tiny"].drafter_steps[2]  # step_300, a folder on this machine
     with client_of(prefect_server) as client:
         before = {r.id for r in evaluation_runs(client)}
-    result = subprocess.run([sys.executable, "-m", "flows.cli", "notify", "--checkpoint", str(checkpoint),
+    result = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", "notify", "--checkpoint", str(checkpoint),
                              "--step", "300"], env={**os.environ, "PREFECT_API_URL": prefect_server["url"]},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "sent dflash.checkpoint.saved" in result.stdout, result.stdout + result.stderr
@@ -256,8 +256,8 @@ def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
     table = next(a.data for a in artifacts if a.key and a.key.endswith("-scores"))
     table = json.loads(table) if isinstance(table, str) else table
     tau = next(row["value"] for row in table if row["metric"] == "tau macro")
-    from flows.history import history
-    from storage import Store
+    from dflash_eval.flows.history import history
+    from dflash_eval.storage import Store
 
     (row,) = [r for g in history(Store(setup["store"])) for r in g.rows if r["step"] == 300]
     assert tau == f"{row['tau_macro']:.3f}"  # the served run's scores, as the store holds them
@@ -270,7 +270,7 @@ source, destination, url = sys.argv[1:4]
 shutil.copytree(source, destination, copy_function=shutil.copyfile)  # the trainer's save (new files) ...
 saved = time.monotonic()
 called = time.monotonic() - saved  # ... and its call of `dflash-eval notify` right after
-notify = subprocess.run([sys.executable, "-m", "flows.cli", "notify", "--checkpoint", url, "--step", "400"],
+notify = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", "notify", "--checkpoint", url, "--step", "400"],
                         capture_output=True, text=True)
 print(f"notified {called:.2f} s after saving: {notify.stdout.strip()} {notify.stderr.strip()}")
 """
@@ -307,7 +307,7 @@ def test_a_checkpoint_notified_as_soon_as_it_is_saved_is_waited_for_and_evaluate
 
 def test_notify_without_a_server_returns_at_once_with_a_warning(setup):
     port = free_port()  # nothing listens there
-    for command in ([sys.executable, "-m", "flows.cli", "notify"],  # with Prefect
+    for command in ([sys.executable, "-m", "dflash_eval.flows.cli", "notify"],  # with Prefect
                     [sys.executable, "-S", "flows/notify.py"]):  # no site-packages: no Prefect, stdlib HTTP
         started = time.monotonic()
         result = subprocess.run([*command, "--checkpoint", "http://relay:8700/run1/step_9", "--step", "9"],

@@ -28,7 +28,7 @@ def run_dir(tiny_qwen3_run, tmp_path_factory):
 
 
 def evaluate(run_dir, drafter, store=None, **kwargs):
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     tiny = run_dir["tiny"]
     state = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(drafter), prompts=str(run_dir["prompts"]),
@@ -81,7 +81,7 @@ def test_ablation_lowers_tau_and_all_layers_remove_most_of_the_gain(diagnosed):
 
 
 def test_sliding_switch_and_first_divergences(run_dir, diagnosed):
-    from storage import Store, read_json
+    from dflash_eval.storage import Store, read_json
 
     results, _ = diagnosed[-1]
     d = results["diagnostics"]
@@ -111,9 +111,9 @@ def test_diagnostics_of_a_new_checkpoint_reuse_the_features(diagnosed):
 def test_history_rises_with_training_and_shows_the_baseline(run_dir, diagnosed):
     from typer.testing import CliRunner
 
-    from flows.cli import app
-    from flows.history import history
-    from storage import Store
+    from dflash_eval.flows.cli import app
+    from dflash_eval.flows.history import history
+    from dflash_eval.storage import Store
 
     (group,) = history(Store(run_dir["store"]))
     steps = [r["step"] for r in group.candidates]
@@ -135,7 +135,7 @@ def test_artifacts_of_a_run_are_in_prefect(run_dir, diagnosed):
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from tasks.progress import series_key
+    from dflash_eval.tasks.progress import series_key
 
     results, flow_run_id = diagnosed[-1]
     with get_client(sync_client=True) as client:
@@ -180,12 +180,12 @@ def test_a_regression_is_flagged_in_the_summary(run_dir, diagnosed):
 
 
 def test_all_positions_tau_is_scored_on_request(run_dir, diagnosed):
-    from flows.history import history
-    from storage import Store
+    from dflash_eval.flows.history import history
+    from dflash_eval.storage import Store
 
     results, _ = evaluate(run_dir, run_dir["tiny"].drafter_steps[-1], all_positions=True)
     assert results["tau_macro"] == diagnosed[-1][0]["tau_macro"]  # the same decode path
-    from storage import read_json
+    from dflash_eval.storage import read_json
 
     per_prompt = read_json(Store(run_dir["store"]).entry("drafts", results["keys"]["drafts"]) / "drafts.json")["per_prompt"]
     for prompt in per_prompt:  # the decode path visits a subset of all positions, with the same lengths there

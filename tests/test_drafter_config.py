@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_core import tiny_target
+from dflash_core.tiny import target as tiny_target
 from dflash_core.drafter import (
     DFLASH_FIELDS, EXTRA_MODULE_FIELDS, IGNORED_FIELDS, READ_FIELDS, SWITCHES, DFlashDrafter, DrafterConfig,
     DrafterConfigWarning, DrafterError, load_drafter, read_drafter_config, save_drafter,

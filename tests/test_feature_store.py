@@ -9,7 +9,7 @@ import pytest
 import torch
 import zarr
 
-from storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore, _chunk_rows
+from dflash_eval.storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore, _chunk_rows
 from tests import storage_workers
 from tests.storage_workers import hidden_for, rows_for
 

@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from flows.cli import app
-from storage import Store
+from dflash_eval.flows.cli import app
+from dflash_eval.storage import Store
 
 from tests.tiny_models import first_prompts
 

@@ -6,9 +6,9 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from flows.cli import app
-from storage import Store
-from storage.relay_server import RelayServer
+from dflash_eval.flows.cli import app
+from dflash_eval.storage import Store
+from dflash_eval.storage.relay.server import RelayServer
 
 from tests.tiny_models import first_prompts
 

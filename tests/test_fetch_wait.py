@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from storage.relay_server import RelayServer
-from tasks.fetch import CheckpointError, await_checkpoint
+from dflash_eval.storage.relay.server import RelayServer
+from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint
 from tests.checkpoints import write_checkpoint
 
 

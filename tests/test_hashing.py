@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from storage import CHECKPOINT_PATTERNS, DigestCache, canonical_json, directory_digest, file_sha256, key_of
+from dflash_eval.storage import CHECKPOINT_PATTERNS, DigestCache, canonical_json, directory_digest, file_sha256, key_of
 from tests import storage_workers
 
 # ---------------------------------------------------------------- canonical JSON and keys

@@ -21,7 +21,7 @@ from dflash_core.decoding import speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.target import load_target, read_target_config
 
-from tasks.progress import series_key
+from dflash_eval.tasks.progress import series_key
 from tests.tiny_models import first_prompts
 
 pytestmark = pytest.mark.slow
@@ -46,13 +46,13 @@ def arguments(tiny, store, step=-1):
 
 
 def evaluate(tiny, store, step=-1, **kwargs):
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     state = evaluate_checkpoint(**arguments(tiny, store, step), **kwargs, return_state=True)
     return state.result(), state.state_details.flow_run_id
 
 
-def cli(tiny, store, *extra, step=-1, api_url, runner=("-m", "flows.cli"), **popen):
+def cli(tiny, store, *extra, step=-1, api_url, runner=("-m", "dflash_eval.flows.cli"), **popen):
     args = arguments(tiny, store, step)
     command = [sys.executable, *runner, *extra, "--target", args["target"], "--drafter", args["drafter"],
                "--prompts", args["prompts"], "--max-new-tokens", str(MAX_NEW), "--store", args["store"]]
@@ -158,7 +158,7 @@ def test_other_layer_ids_extract_only_the_layers_not_held(tiny, tmp_path, prefec
     mask = json.loads((tiny.drafter_steps[-1] / "config.json").read_text())["dflash_config"]["mask_token_id"]
     other = _drafter_with(tmp_path, tiny, dflash_config={"target_layer_ids": [2, 3], "mask_token_id": mask})
 
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     results = evaluate_checkpoint(**{**arguments(tiny, store), "drafter": str(other)})
     assert results["layer_ids"] == [2, 3] and results["stages"]["features"] == "ran"
@@ -245,7 +245,7 @@ def test_two_concurrent_runs_share_one_store(tiny, tmp_path, prefect_api_url):
 
 def test_command_line_run_and_stage(tiny, tmp_path, prefect_api_url):
     store = tmp_path / "store"
-    process = cli(tiny, store, "run", "--out", str(tmp_path / "results.json"), runner=("-m", "flows.cli"),
+    process = cli(tiny, store, "run", "--out", str(tmp_path / "results.json"), runner=("-m", "dflash_eval.flows.cli"),
                   api_url=prefect_api_url)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
@@ -266,7 +266,7 @@ def test_command_line_run_and_stage(tiny, tmp_path, prefect_api_url):
 def test_demo_prints_tau_per_saved_step(tiny_qwen3_run, tmp_path, prefect_api_url):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     result = CliRunner().invoke(app, ["demo", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
@@ -396,7 +396,7 @@ BAD_INPUTS = {
 def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case, tiny, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     make_options, message = BAD_INPUTS[case]
     (tmp_path / "work").mkdir()
@@ -413,7 +413,7 @@ def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case,
 def test_history_shows_tau_by_step_the_best_and_a_regression(tiny, tmp_path, prefect_api_url):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     store = tmp_path / "store"
     evaluate(tiny, store, step=0)
@@ -423,7 +423,7 @@ def test_history_shows_tau_by_step_the_best_and_a_regression(tiny, tmp_path, pre
     shutil.copytree(tiny.drafter_steps[0], relapse)
     config = json.loads((relapse / "config.json").read_text())
     (relapse / "config.json").write_text(json.dumps({**config, "note": "relapse"}))  # another checkpoint's content
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     evaluate_checkpoint(**{**arguments(tiny, store), "drafter": str(relapse)})
 

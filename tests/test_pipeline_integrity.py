@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage import CorruptEntryWarning
+from dflash_eval.storage import CorruptEntryWarning
 
 from tests.tiny_models import first_prompts
 
@@ -37,7 +37,7 @@ def clean(tiny, tmp_path_factory, prefect_api_url):
 
 
 def evaluate(tiny, store, step=-1, **kwargs) -> dict:
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     return evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[step]),
                                prompts=str(tiny.prompts), max_new_tokens=MAX_NEW, store=str(store), **kwargs)
@@ -106,7 +106,7 @@ def test_a_deleted_chunk_is_extracted_again(tiny, clean, tmp_path):
 def test_a_truncated_scores_json_is_detected_by_run_history_and_report_and_recomputed(tiny, clean, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     store = tmp_path / "store"
     first = evaluate(tiny, store, step=0)
@@ -141,7 +141,7 @@ def test_a_truncated_scores_json_is_detected_by_run_history_and_report_and_recom
 
 def test_later_stages_follow_a_refreshed_stage_whose_content_changed_and_stay_when_it_did_not(
         tiny, clean, tmp_path, monkeypatch):
-    import tasks.features
+    import dflash_eval.tasks.features
 
     store = tmp_path / "store"
     assert evaluate(tiny, store)["tau_macro"] == clean["tau_macro"]
@@ -179,7 +179,7 @@ def test_later_stages_follow_a_refreshed_stage_whose_content_changed_and_stay_wh
 def test_verify_names_each_damage_and_repair_makes_the_next_run_recompute_exactly_it(tiny, clean, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     store = tmp_path / "store"
     evaluate(tiny, store)
@@ -226,7 +226,7 @@ def test_verify_names_each_damage_and_repair_makes_the_next_run_recompute_exactl
 
 
 def test_a_damaged_checkpoint_is_named_and_fetched_again_by_the_next_run(tiny, clean, tmp_path, monkeypatch):
-    from storage import store as store_module
+    from dflash_eval.storage import store as store_module
 
     # as for a real checkpoint: its weights are too large to hash on every read, only before drafting
     monkeypatch.setattr(store_module, "VERIFY_ON_READ_BYTES", 0, raising=False)
@@ -247,7 +247,7 @@ def test_a_damaged_checkpoint_is_named_and_fetched_again_by_the_next_run(tiny, c
 def test_weights_are_hashed_before_drafting_only_when_the_fetch_was_a_cache_hit(tiny, tmp_path, monkeypatch):
     """A checkpoint fetched by this run had its weights hashed at commit moments before: the drafts stage
     does not hash them again. One fetched by an earlier run is hashed in full before it is drafted from."""
-    from storage import store as store_module
+    from dflash_eval.storage import store as store_module
 
     monkeypatch.setattr(store_module, "VERIFY_ON_READ_BYTES", 0, raising=False)  # weights as large as real ones
     hashed = []

@@ -6,7 +6,7 @@ import json
 import pytest
 from tokenizers import processors
 
-from dflash_core import tiny_target
+from dflash_core.tiny import target as tiny_target
 from dflash_core.prompts import (
     PROMPT_SUITES,
     Prompt,

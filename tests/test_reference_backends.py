@@ -1,7 +1,7 @@
 """Reference backends against real servers on loopback: the same references from every backend,
 resumption across a server restart, mismatched servers refused before any work, faults retried.
 
-The servers are `dflash_core.reference_server.ReferenceServer` (SGLang /generate and OpenAI
+The servers are `dflash_core.reference.server.ReferenceServer` (SGLang /generate and OpenAI
 /v1/completions wire formats) serving the tiny trained target.
 """
 
@@ -18,10 +18,10 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_core import tiny_target
+from dflash_core.tiny import target as tiny_target
 from dflash_core.prompts import resolve_prompts
-from dflash_core.reference_backends import API_KEY_ENV, FINGERPRINT_TEXTS, BackendError, OpenAIBackend, SGLangBackend
-from dflash_core.reference_server import ReferenceServer
+from dflash_core.reference.backends import API_KEY_ENV, FINGERPRINT_TEXTS, BackendError, OpenAIBackend, SGLangBackend
+from dflash_core.reference.server import ReferenceServer
 from dflash_core.target import read_target_config
 
 from tests.tiny_models import first_prompts
@@ -58,7 +58,7 @@ def text_only_server(tiny):
 
 def references(tiny, store, reference, lookahead=False, concurrency=8, prompts=None):
     """Run the flow up to the references stage; read back [(id, prompt len, token ids, completion end, finish, verified)]."""
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     results = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]),
                                   prompts=str(prompts or tiny.small_prompts), max_new_tokens=MAX_NEW, store=str(store),
@@ -68,8 +68,8 @@ def references(tiny, store, reference, lookahead=False, concurrency=8, prompts=N
 
 def read_references(store, key):
     """The stored references of `key`, as `references` returns them."""
-    from tasks.references import ReferenceSet, load_references
-    from storage import Store
+    from dflash_eval.tasks.references import ReferenceSet, load_references
+    from dflash_eval.storage import Store
 
     record = Store(store).read_record("references", key)
     refs = ReferenceSet(key, str(Store(store).entry("references", key)), record["n_prompts"], record["n"],
@@ -87,7 +87,7 @@ def test_every_backend_gives_the_local_references(tiny, server, text_only_server
         assert references(tiny, tmp_path / spec.split("+")[0] / spec[-8:].replace("/", "_"), spec) == local, spec
 
     # the whole flow scores every turn of a conversation as its own item
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     scored = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]),
                                  prompts=str(tiny.small_prompts), max_new_tokens=MAX_NEW, store=str(tmp_path / "local"))
@@ -111,7 +111,7 @@ def test_every_backend_gives_the_local_references(tiny, server, text_only_server
 
 def serve_in_process(target_dir, port, *options) -> subprocess.Popen:
     """`dflash-eval serve-reference` in its own process (one torch thread), once it accepts requests."""
-    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve-reference", "--target", str(target_dir),
+    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.flows.cli", "serve-reference", "--target", str(target_dir),
                                 "--port", str(port), *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in process.stdout:
@@ -166,7 +166,7 @@ def _raises(fn, *args, **kwargs):
 def test_a_server_of_another_tokenizer_is_refused_before_any_work(tiny, tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     other = tiny_target.train_tokenizer("def other(corpus):\n    return corpus[::-1]\n" * 50, vocab_size=300)
     other.save_pretrained(tmp_path / "other_tokenizer")
@@ -219,7 +219,7 @@ def free_port() -> int:
 
 def run_command_line(tiny, store, reference, *options, api_url, env=()):
     """`dflash-eval run` in its own process, reporting to the session's Prefect server: (exit code, output)."""
-    command = [sys.executable, "-m", "flows.cli", "run", "--target", str(tiny.target_dir),
+    command = [sys.executable, "-m", "dflash_eval.flows.cli", "run", "--target", str(tiny.target_dir),
                "--drafter", str(tiny.drafter_steps[-1]), "--prompts", str(tiny.small_prompts),
                "--max-new-tokens", str(MAX_NEW), "--store", str(store), "--reference", reference, *options]
     environment = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
@@ -233,7 +233,7 @@ def refused_in_process(tiny, store, reference, *options, env=()):
     """`dflash-eval run` in this process, for runs its input checks refuse before any flow starts."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     result = CliRunner().invoke(app, ["run", "--target", str(tiny.target_dir), "--drafter", str(tiny.drafter_steps[-1]),
                                       "--prompts", str(tiny.small_prompts), "--max-new-tokens", str(MAX_NEW),
@@ -293,7 +293,7 @@ def test_an_api_key_is_no_part_of_the_references_key(tiny, server, tmp_path, pre
     the references key, of the server without one; flow parameters and the store never hold the key."""
     from prefect import get_client
 
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     key = f"dflash-{secrets.token_hex(16)}"
     key_file = tmp_path / "key"

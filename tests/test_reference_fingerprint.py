@@ -17,9 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_core.reference_backends import BackendError
-from dflash_core.reference_server import ReferenceServer
-from storage import Store
+from dflash_core.reference.backends import BackendError
+from dflash_core.reference.server import ReferenceServer
+from dflash_eval.storage import Store
 
 from tests.tiny_models import first_prompts
 
@@ -69,7 +69,7 @@ def port_of(server: ReferenceServer) -> int:
 
 def references(models, store, server_or_url, refresh=False):
     """The references stage (the task's function) against a server or "local": [(id, token ids)]."""
-    from tasks.references import ReferenceSet, generate_references, load_references
+    from dflash_eval.tasks.references import ReferenceSet, generate_references, load_references
 
     spec = server_or_url if server_or_url == "local" else f"sglang+{server_or_url.url}"
     out = generate_references.fn(str(models["target"]), str(models["prompts"]), MAX_NEW, str(store), reference=spec,
@@ -118,7 +118,7 @@ def test_a_server_restarted_with_other_weights_never_completes_the_entry(models,
     """The tester's case: rerun against the same name, path and port, now serving model B. The run stops
     with one message (which server, that its model changed, what to do); nothing is committed, A's
     references are kept untouched, and B generated no reference. --refresh then starts anew with B."""
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     store = tmp_path / "store"
     shutil.copytree(interrupted[0], store)
@@ -151,7 +151,7 @@ def test_an_unchanged_server_resumes_and_the_fingerprint_costs_six_short_request
     """No false alarm: the same weights restarted resume the entry (A's KEPT references untouched), and
     the result equals local greedy decoding. The fingerprint, taken when resuming and before commit, is
     2 x 3 generation requests of 16 tokens (and 2 /tokenize), next to the references' requests."""
-    from dflash_core.reference_backends import FINGERPRINT_TEXTS, FINGERPRINT_TOKENS
+    from dflash_core.reference.backends import FINGERPRINT_TEXTS, FINGERPRINT_TOKENS
 
     store = tmp_path / "store"
     shutil.copytree(interrupted[0], store)

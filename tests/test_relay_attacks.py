@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from storage.relay_client import RelayClient
-from storage.relay_server import RelayServer
+from dflash_eval.storage.relay.client import RelayClient
+from dflash_eval.storage.relay.server import RelayServer
 from tests.checkpoints import write_checkpoint
 from tests.test_relay import get
 

@@ -19,9 +19,9 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from flows.cli import app
-from flows.report import NothingToReport, write_report
-from storage import Store, key_of, write_json_atomic
+from dflash_eval.flows.cli import app
+from dflash_eval.flows.report import NothingToReport, write_report
+from dflash_eval.storage import Store, key_of, write_json_atomic
 
 from tests.tiny_models import first_prompts
 
@@ -106,7 +106,7 @@ def assert_self_contained(text: str, page: Page) -> None:
 def scored_store(tiny_qwen3_run, prefect_api_url, tmp_path_factory):
     """A store holding the scores of every saved step of the tiny run and of one baseline drafter
     (a copy of step 200 under another name), on its first N_PROMPTS prompts."""
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     root = tmp_path_factory.mktemp("report")
     prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "prompts.jsonl")
@@ -203,7 +203,7 @@ def diagnostics_of(row: dict, tau: float) -> dict:
 
 @pytest.mark.slow
 def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored_store, tmp_path):
-    from flows.history import history
+    from dflash_eval.flows.history import history
 
     store = Store(tmp_path / "store")
     shutil.copytree(scored_store.root, store.root)
@@ -237,7 +237,7 @@ def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored
 
 @pytest.mark.slow
 def test_diagnostics_from_the_diagnostics_stage_are_shown(scored_store, tiny_qwen3_run, tmp_path):
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     store = Store(tmp_path / "store")
     shutil.copytree(scored_store.root, store.root)
@@ -386,8 +386,8 @@ def test_each_group_has_its_section_and_plots(tmp_path):
 
 
 def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regression(tmp_path):
-    from flows.artifacts import summary_markdown
-    from flows.history import find_group, history
+    from dflash_eval.flows.artifacts import summary_markdown
+    from dflash_eval.flows.history import find_group, history
 
     store = Store(tmp_path / "store")
     keys = {

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from flows.report_server import REPORT_URL_ENV, PortInUse, ReportServer, report_url
-from storage import Store
+from dflash_eval.flows.report_server import REPORT_URL_ENV, PortInUse, ReportServer, report_url
+from dflash_eval.storage import Store
 
 from tests.test_report import fabricate
 
@@ -184,7 +184,7 @@ def test_command_line_writes_and_serves_the_report(tmp_path):
     for step, tau in [(1000, 3.1), (2000, 3.6)]:
         fabricate(store, f"/runs/a/step_{step}", step, tau, (tau - 0.2, tau + 0.2))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "flows.cli", "report", "--store", str(store.root), "--serve",
+    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.flows.cli", "report", "--store", str(store.root), "--serve",
                                 "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                cwd=Path(__file__).parent.parent)
     try:
@@ -208,7 +208,7 @@ def test_command_line_writes_and_serves_the_report(tmp_path):
 def test_command_line_without_out_or_serve_asks_for_out(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     result = CliRunner().invoke(app, ["report", "--store", str(tmp_path / "store")])
     assert result.exit_code == 2 and "--out" in result.output
@@ -217,7 +217,7 @@ def test_command_line_without_out_or_serve_asks_for_out(tmp_path):
 def test_command_line_on_a_taken_port_says_which_option_to_change(tmp_path, report_folder):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     store = Store(tmp_path / "scored")
     fabricate(store, "/runs/a/step_1000", 1000, 3.1, (2.9, 3.3))
@@ -236,7 +236,7 @@ def serve_without_runner(monkeypatch, tmp_path):
 
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     seen = {}
 
@@ -246,7 +246,7 @@ def serve_without_runner(monkeypatch, tmp_path):
         if seen["url"] and "proxy" not in seen["url"]:
             seen["response"] = requests.get(seen["url"] + "report.html", timeout=10)
 
-    monkeypatch.setitem(sys.modules, "flows.deployments", types.SimpleNamespace(serve_deployments=serve_deployments))
+    monkeypatch.setitem(sys.modules, "dflash_eval.flows.deployments", types.SimpleNamespace(serve_deployments=serve_deployments))
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     monkeypatch.delenv(REPORT_URL_ENV, raising=False)
     store = tmp_path / "store"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from storage import (
+from dflash_eval.storage import (
     CorruptEntryWarning,
     EntryMissing,
     LockTimeout,

@@ -6,10 +6,10 @@ import json
 import pytest
 import torch
 
-from storage import CorruptEntryWarning, EntryMissing, Store, key_of, write_json_atomic
-from storage import store as store_module
-from storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
-from storage.integrity import entry_label, features_label, upstream_digest, upstream_digests, verify_store
+from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, key_of, write_json_atomic
+from dflash_eval.storage import store as store_module
+from dflash_eval.storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
+from dflash_eval.storage.integrity import entry_label, features_label, upstream_digest, upstream_digests, verify_store
 
 KEY = key_of({"test": "integrity"})
 OTHER_KEY = key_of({"test": "built on it"})
@@ -173,7 +173,7 @@ def _write(value):
 
 
 def test_an_entry_built_on_changed_content_is_recomputed_and_the_log_says_so(tmp_path, capsys):
-    from tasks.stage import run_entry
+    from dflash_eval.tasks.stage import run_entry
 
     store = Store(tmp_path)
     upstream = lambda: upstream_digests(store, [entry_label("drafts", KEY)])  # noqa: E731
@@ -264,7 +264,7 @@ def test_verify_reports_each_damage_and_repair_removes_exactly_it(tmp_path):
 def test_verify_command_exits_1_on_damage_and_0_once_repaired(tmp_path):
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     store, _, expected = _damaged_store(tmp_path)
     result = CliRunner().invoke(app, ["verify", "--store", str(store.root)])

@@ -442,7 +442,7 @@ def _is_vision(name: str) -> bool:
 def test_auto_dtype_is_the_checkpoints_own(tmp_path, config, name, note):
     import json
 
-    from tasks.target import DtypeChoice, resolve_dtype
+    from dflash_eval.tasks.target import DtypeChoice, resolve_dtype
 
     (tmp_path / "config.json").write_text(json.dumps(config))
     choice = resolve_dtype("auto", tmp_path)
@@ -454,7 +454,7 @@ def test_auto_dtype_is_the_checkpoints_own(tmp_path, config, name, note):
 
 
 def test_auto_dtype_of_the_fixtures_and_unknown_names(qwen3_5_dirs):
-    from tasks.target import resolve_dtype
+    from dflash_eval.tasks.target import resolve_dtype
 
     for path in qwen3_5_dirs:  # saved in float32, as the tiny fixtures are
         assert resolve_dtype("auto", path).name == "float32"

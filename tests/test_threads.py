@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from tasks import threads
-from tasks import threads as threads_module  # for code whose argument is named threads
-from tasks.threads import ThreadBudget, default_threads, leases_threads, threads_for
+from dflash_eval.tasks import threads
+from dflash_eval.tasks import threads as threads_module  # for code whose argument is named threads
+from dflash_eval.tasks.threads import ThreadBudget, default_threads, leases_threads, threads_for
 
 
 @pytest.fixture
@@ -142,7 +142,7 @@ def test_threads_option_reaches_torch_before_anything_computes(fresh_budget, tmp
     input check: the target is missing)."""
     from typer.testing import CliRunner
 
-    from flows.cli import app
+    from dflash_eval.flows.cli import app
 
     torch.set_num_threads(2)
     result = CliRunner().invoke(app, ["run", "--target", str(tmp_path / "missing"), "--drafter", str(tmp_path),
@@ -157,7 +157,7 @@ def test_threads_option_reaches_torch_before_anything_computes(fresh_budget, tmp
 REGISTERED_RUN = """
 import sys, time
 from pathlib import Path
-from tasks.threads import register_run_by_hand
+from dflash_eval.tasks.threads import register_run_by_hand
 register_run_by_hand(Path(sys.argv[1]))
 print("registered", flush=True)
 time.sleep(float(sys.argv[2]))

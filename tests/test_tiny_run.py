@@ -11,7 +11,7 @@ import torch
 
 from dflash_core.decoding import greedy_decode, speculative_decode
 from dflash_core.drafter import load_drafter
-from dflash_core.drafter_training import init_drafter
+from dflash_core.tiny.training import init_drafter
 from dflash_core.features import extract_features
 from dflash_core.replay import Reference, replay
 from dflash_core.target import load_target

@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM
 
-from dflash_core import tiny_target
+from dflash_core.tiny import target as tiny_target
 from dflash_core.target import load_target
 
 CORPUS_BYTES = 200_000

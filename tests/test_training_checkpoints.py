@@ -26,9 +26,9 @@ import torch
 from prefect.states import State
 from torch import nn
 
-from storage import Store
-from storage.relay_server import RelayServer
-from tasks.fetch import CheckpointError, fetch_checkpoint
+from dflash_eval.storage import Store
+from dflash_eval.storage.relay.server import RelayServer
+from dflash_eval.tasks.fetch import CheckpointError, fetch_checkpoint
 
 from tests.tiny_models import first_prompts
 
@@ -93,7 +93,7 @@ def saves(tiny_qwen3_run, tmp_path_factory):
 
 
 def evaluate(saves, drafter, store, **kwargs) -> dict:
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     return evaluate_checkpoint(target=str(saves["tiny"].target_dir), drafter=str(drafter), prompts=str(saves["prompts"]),
                                max_new_tokens=MAX_NEW, store=str(store), **kwargs)
@@ -153,7 +153,7 @@ def test_through_a_relay_the_run_folder_config_is_used_and_links_are_one_checkpo
 
 
 def test_a_specforge_step_without_any_config_asks_for_one(saves, tmp_path, prefect_api_url):
-    from flows.evaluate import InputError
+    from dflash_eval.flows.evaluate import InputError
 
     with pytest.raises(InputError, match="has no config.json.*--drafter-config FILE"):
         evaluate(saves, saves["step"], tmp_path / "store")

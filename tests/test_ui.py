@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from tasks.progress import series_key
+from dflash_eval.tasks.progress import series_key
 from tests.tiny_models import first_prompts
 
 pytestmark = pytest.mark.slow
@@ -18,7 +18,7 @@ MAX_NEW = 32
 def series(tiny_qwen3_run, tmp_path_factory, prefect_api_url):
     """Every step of the tiny run evaluated, newest first (history must still list them by step), and one
     stage rerun from its deployment's flow; returns the flow runs and what they returned."""
-    from flows.evaluate import RERUN_FLOWS, evaluate_checkpoint
+    from dflash_eval.flows.evaluate import RERUN_FLOWS, evaluate_checkpoint
 
     root = tmp_path_factory.mktemp("ui")
     prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "held-out.jsonl")
@@ -100,7 +100,7 @@ def test_the_summary_gives_the_commands_that_rerun_a_stage_and_no_difference_aga
 
 
 def test_progress_keys_differ_between_two_series(series, tmp_path):
-    from flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     other = first_prompts(series["tiny"], 3, tmp_path / "other-set.jsonl")
     state = evaluate_checkpoint(**{**series["settings"], "prompts": str(other)},
@@ -117,8 +117,8 @@ def test_progress_keys_differ_between_two_series(series, tmp_path):
 def test_the_deployments_forms_offer_choices_and_fix_a_reruns_stage(series, prefect_api_url):
     from prefect import get_client
 
-    from flows.deployments import build_deployments
-    from flows.evaluate import STAGES
+    from dflash_eval.flows.deployments import build_deployments
+    from dflash_eval.flows.evaluate import STAGES
 
     settings = series["settings"]
     with get_client(sync_client=True) as client:

@@ -1,4 +1,4 @@
-"""Client of the checkpoint relay (protocol v1, see `storage.relay_server`).
+"""Client of the checkpoint relay (protocol v1, see `dflash_eval.storage.relay.server`).
 
     client = RelayClient("http://relay:8470", token=token)
     client.list_checkpoints()                  # [{"path", "step", "total_bytes", "n_files"}, ...]
@@ -29,7 +29,7 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
-from .hashing import file_sha256, key_of
+from ..hashing import file_sha256, key_of
 
 API = "/v1"
 PARTIAL_DIRNAME = ".partial"

@@ -109,8 +109,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .decoding import greedy_decode
-from .target import load_target, read_target_config
+from ..decoding import greedy_decode
+from ..target import load_target, read_target_config
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .drafter import DFlashDrafter, DrafterConfig, save_drafter
-from .replay import Reference
+from ..drafter import DFlashDrafter, DrafterConfig, save_drafter
+from ..replay import Reference
 
 
 @dataclass(frozen=True)

@@ -28,12 +28,13 @@ from typing import Callable
 import torch
 import transformers
 
-from . import drafter, drafter_training, features, replay, tiny_target
-from .drafter import load_drafter
-from .drafter_training import DrafterTrainingSettings, train_drafter
-from .features import extract_features
-from .replay import Reference
-from .target import Target
+from .. import drafter, features, replay
+from . import target as tiny_target, training as drafter_training
+from ..drafter import load_drafter
+from .training import DrafterTrainingSettings, train_drafter
+from ..features import extract_features
+from ..replay import Reference
+from ..target import Target
 
 BUILD_RECORD = "build.json"
 

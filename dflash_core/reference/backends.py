@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 import requests
 
-from .decoding import greedy_decode
+from ..decoding import greedy_decode
 
 SCHEMES = ("sglang", "openai")
 API_KEY_ENV = "DFLASH_REFERENCE_API_KEY"
