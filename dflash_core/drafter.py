@@ -26,11 +26,13 @@ from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-# How sliding-window layers treat the block when the config does not say (no is_causal). "causal":
+from .checkpoint_files import WeightFilesError, weight_files
+from .choices import SLIDING_SEMANTICS
+
+# SLIDING_SEMANTICS: how sliding-window layers treat the block when the config does not say (no is_causal). "causal":
 # block position k sees block positions <= k and a window over context + block, as SGLang, vLLM, the
 # SpecForge training mask and z-lab's current reference do (the default). "non_causal": the whole
 # block (within the window) is visible, as z-lab's transformers reference did before it read is_causal.
-SLIDING_SEMANTICS = ("causal", "non_causal")
 
 
 class DrafterError(ValueError):
@@ -661,24 +663,6 @@ class DFlashDrafter(nn.Module):
 # Loading
 
 
-def _checkpoint_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise DrafterError(f"{index}: not a safetensors index ({e})") from e
-        files = sorted({path / name for name in weight_map.values()})
-        missing = [str(f) for f in files if not f.exists()]
-        if missing:
-            raise DrafterError(f"{index} names shard files that do not exist: {missing}")
-        return files
-    single = path / "model.safetensors"
-    if single.exists():
-        return [single]
-    raise DrafterError(f"{path}: no model.safetensors or model.safetensors.index.json")
-
-
 def read_drafter_config(path: str | Path, mask_token_id: int | None = None, tokenizer=None) -> DrafterConfig:
     """Parse and validate `path/config.json` of a DFlash drafter checkpoint.
 
@@ -716,8 +700,12 @@ def load_drafter(
     with torch.device("meta"):
         model = DFlashDrafter(cfg, sliding_semantics)
     expected = {name: p.shape for name, p in model.named_parameters()}
+    try:
+        files = weight_files(path)
+    except WeightFilesError as e:
+        raise DrafterError(str(e)) from None
     state = {}
-    for file in _checkpoint_files(path):
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():

@@ -21,6 +21,7 @@ same place, so clipped steps are exactly what a real run emits; they are counted
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # Draft/target forward-cost ratios the scores project speedups for (a 5-layer drafter over a 64-layer
 # target is ~0.05-0.1 of a target forward).
@@ -39,7 +40,7 @@ class PromptScore:
 
     @property
     def tau(self) -> float:
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+        return mean_acceptance(self.acceptance_lengths)
 
     def last_step_clipped(self, block_size: int) -> bool:
         """Whether the last step accepted every token the reference still had, fewer than a block
@@ -48,9 +49,20 @@ class PromptScore:
         return self.acceptance_lengths[-1] == available < block_size
 
 
-def tau_macro(prompts: Sequence[PromptScore]) -> float:
-    """Mean over prompts of each prompt's mean acceptance length."""
-    return sum(p.tau for p in prompts) / len(prompts)
+class Steps(Protocol):
+    """One prompt's decode steps: a PromptScore, or a replay's ReplayResult."""
+
+    acceptance_lengths: Sequence[int]
+
+
+def mean_acceptance(acceptance_lengths: Sequence[int]) -> float:
+    """One prompt's tau: its mean acceptance length (tokens emitted per target step)."""
+    return sum(acceptance_lengths) / len(acceptance_lengths)
+
+
+def tau_macro(prompts: Sequence[Steps]) -> float:
+    """Mean over prompts of each prompt's mean acceptance length (each prompt with one step or more)."""
+    return sum(mean_acceptance(p.acceptance_lengths) for p in prompts) / len(prompts)
 
 
 def tau_pooled(prompts: Sequence[PromptScore]) -> float:

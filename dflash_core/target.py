@@ -38,20 +38,12 @@ from transformers import (
 from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import is_accelerate_available
 
-from .token_head import INDEX_FILE, SINGLE_FILE, TextWeights, find_text_weights, load_token_head
+from .checkpoint_files import has_safetensors
+from .choices import DTYPE_NAMES
+from .token_head import TextWeights, find_text_weights, is_non_text_path, load_token_head
 
-# Module names (dotted path components) of non-text parts; nothing under them is the text decoder.
-NON_TEXT_MODULES = {
-    "visual",
-    "vision_tower",
-    "vision_model",
-    "vision_encoder",
-    "multi_modal_projector",
-    "mm_projector",
-    "audio_tower",
-    "audio_model",
-}
-NON_TEXT_PREFIXES = ("vision", "visual", "audio")
+# The dtypes a target loads in, by the names config files and command lines give them.
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 # Tried in order: a VLM checkpoint often maps to a text-only causal LM class
 # (Qwen3.5 -> Qwen3_5ForCausalLM, which skips the vision weights entirely).
@@ -74,17 +66,12 @@ class _StopForward(Exception):
     """Raised from a layer hook once every requested layer has run."""
 
 
-def _is_non_text_path(name: str) -> bool:
-    parts = name.split(".") if name else []
-    return any(p in NON_TEXT_MODULES or p.startswith(NON_TEXT_PREFIXES) for p in parts)
-
-
 def find_backbone(model: nn.Module) -> tuple[str, nn.Module]:
     """Return (name, module) of the text decoder: the module with `embed_tokens`,
     `layers` (nn.ModuleList) and `norm`, outside any vision/audio tower."""
     candidates = []
     for name, module in model.named_modules():
-        if _is_non_text_path(name):
+        if is_non_text_path(name):
             continue
         if (
             isinstance(getattr(module, "embed_tokens", None), nn.Module)
@@ -351,7 +338,7 @@ def read_target_config(path) -> TargetConfig:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); pass the target checkpoint folder")
-    if (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file():
+    if has_safetensors(path):
         find_text_weights(path)
     config = _auto_config(path)
     text = config.get_text_config(decoder=True)
@@ -410,7 +397,7 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Targ
     if not direct:
         model.to(device)
     target = Target.from_model(model, checkpoint_dir=path)
-    missing = [k for k in info.get("missing_keys", ()) if not _is_non_text_path(k)]
+    missing = [k for k in info.get("missing_keys", ()) if not is_non_text_path(k)]
     if missing:
         raise ValueError(f"checkpoint {path} lacks weights the text model needs: {sorted(missing)[:8]} "
                          f"(its text weights are under {weights.prefix or '<no prefix>'}*)")

@@ -24,13 +24,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from .checkpoint_files import tensor_files
 
-# Dotted key components (or their prefixes) that belong to something other than
-# the text decoder. "layers" excludes per-layer embeddings/heads such as
-# DeepSeek's MTP layer `model.layers.61.embed_tokens.weight`.
-NON_TEXT_PARTS = {
+# Dotted name components (or their prefixes) of the parts of a model other than its text decoder:
+# vision and audio towers, their projectors, multi-token-prediction heads. Module names (target.py)
+# and checkpoint keys (here) are both matched against them.
+NON_TEXT_MODULES = frozenset({
     "visual",
     "vision_tower",
     "vision_model",
@@ -40,8 +39,7 @@ NON_TEXT_PARTS = {
     "audio_tower",
     "audio_model",
     "mtp",
-    "layers",
-}
+})
 NON_TEXT_PREFIXES = ("vision", "visual", "audio", "mtp")
 
 
@@ -59,30 +57,16 @@ class TokenHead:
     head_key: str | None  # None when tied to the embedding
 
 
+def is_non_text_path(name: str) -> bool:
+    """True if a dotted module or weight name lies under a vision, audio or MTP part of the model."""
+    return any(p in NON_TEXT_MODULES or p.startswith(NON_TEXT_PREFIXES) for p in name.split("."))
+
+
 def is_text_key(key: str) -> bool:
-    """True if a checkpoint key can belong to the text decoder (not a vision/audio/MTP part)."""
-    parts = key.split(".")
-    return not any(p in NON_TEXT_PARTS or p.startswith(NON_TEXT_PREFIXES) for p in parts)
-
-
-def list_safetensors_keys(target_dir) -> dict[str, Path]:
-    """Map every tensor name of a checkpoint to the safetensors file holding it.
-
-    Handles a single `model.safetensors` and a sharded checkpoint with
-    `model.safetensors.index.json`.
-    """
-    target_dir = Path(target_dir)
-    if not target_dir.is_dir():
-        raise ValueError(f"target directory {target_dir} does not exist")
-    index_path = target_dir / INDEX_FILE
-    if index_path.is_file():
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        return {key: target_dir / name for key, name in weight_map.items()}
-    single_path = target_dir / SINGLE_FILE
-    if single_path.is_file():
-        with safe_open(single_path, framework="pt") as f:
-            return {key: single_path for key in f.keys()}
-    raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in target directory {target_dir}")
+    """True if a checkpoint key can be the text decoder's embedding or head: not under a non-text part,
+    nor under "layers", which excludes per-layer embeddings and heads such as DeepSeek's MTP layer
+    `model.layers.61.embed_tokens.weight`."""
+    return not is_non_text_path(key) and "layers" not in key.split(".")
 
 
 def _find_unique_key(keys, module_name: str, target_dir: Path) -> str | None:
@@ -131,10 +115,11 @@ def find_text_weights(target_dir) -> TextWeights:
 
     Raises ValueError when there is no embedding, or when there is no lm_head and the config does not
     tie it to the embedding (e.g. `Qwen3_5Model.save_pretrained` drops the head): the message names the
-    prefix the text weights were found under.
+    prefix the text weights were found under. Its weight files are listed by `checkpoint_files.tensor_files`
+    (WeightFilesError, a ValueError, when they cannot be).
     """
     target_dir = Path(target_dir)
-    key_to_file = list_safetensors_keys(target_dir)
+    key_to_file = tensor_files(target_dir)
     embed_key = _find_unique_key(key_to_file, "embed_tokens", target_dir)
     if embed_key is None:
         raise ValueError(f"no embedding tensor (*embed_tokens.weight) outside the vision/audio parts in {target_dir}")

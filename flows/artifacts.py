@@ -22,13 +22,14 @@ from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from dflash_eval.storage import Store
+from dflash_eval.storage.schema import Stage
 from dflash_eval.tasks.progress import series_key
 
-from .history import find_group, history
+from .history import Group, find_group, history
 from .report_server import report_url
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
-RERUN_STAGES = ("features", "drafts", "scores", "diagnostics")
+RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
 
 
 def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
@@ -44,14 +45,14 @@ def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
         group = found[0]
         described = f"tau by training step: {group.title}; this run {results['tau_macro']:.3f}"
         if group.best:
-            described += f", best {group.best['label']} {group.best['tau_macro']:.3f}"
+            described += f", best {group.best.label} {group.best.tau_macro:.3f}"
         create_table_artifact(key=keys["history"], table=history_table(group), description=described)
     report = plot = None
     try:
         from .report import tau_plot_path, write_report  # matplotlib: imported only when a run has scores to show
 
         report = write_report(store, report_dir, groups=groups)  # the store's scores, read once
-        if found is not None and any(r["step"] is not None for r in found[0].rows):
+        if found is not None and any(r.step is not None for r in found[0].rows):
             plot = tau_plot_path(groups.index(found[0]) + 1)
     except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them
         logger.error(f"the report could not be written to {report_dir} ({type(e).__name__}: {e}); "
@@ -69,16 +70,14 @@ def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
     return keys
 
 
-def history_table(group) -> list[dict]:
+def history_table(group: Group) -> list[dict]:
     """One row per scored checkpoint of a series, in history order (by step), then its baselines."""
     rows = []
     for row in group.rows:
-        ci = row["tau_macro_ci95"]
-        verdict = ("baseline" if row["baseline"] else "REGRESSION" if row["regression"] else
-                   "best" if row["best"] else "")
-        rows.append({"checkpoint": row["label"], "step": "-" if row["step"] is None else str(row["step"]),
-                     "tau macro": f"{row['tau_macro']:.3f}", "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
-                     "tau pooled": f"{row['tau_pooled']:.3f}", "verdict": verdict})
+        ci = row.tau_macro_ci95
+        rows.append({"checkpoint": row.label, "step": "-" if row.step is None else str(row.step),
+                     "tau macro": f"{row.tau_macro:.3f}", "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
+                     "tau pooled": f"{row.tau_pooled:.3f}", "verdict": row.mark})
     return rows
 
 
@@ -128,28 +127,28 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     else:
         group, row = found
         candidates = [r for r in group.candidates if r is not row]
-        earlier = [r for r in candidates if r["step"] is not None and row["step"] is not None and r["step"] < row["step"]]
+        earlier = [r for r in candidates if r.step is not None and row.step is not None and r.step < row.step]
         compared = []
         if earlier:
             compared.append(("previous step", earlier[-1]))
         if candidates:
-            compared.append(("best other checkpoint", max(candidates, key=lambda r: r["tau_macro"])))
+            compared.append(("best other checkpoint", max(candidates, key=lambda r: r.tau_macro)))
         compared += [("baseline", r) for r in group.baselines if r is not row]
         if compared:
             lines += ["| | checkpoint | step | tau macro | 95% CI | this minus it |", "|---|---|---|---|---|---|"]
             for name, other in [("this", row), *compared]:
-                ci = other["tau_macro_ci95"]
-                difference = "-" if other is row else f"{row['tau_macro'] - other['tau_macro']:+.3f}"
-                lines.append(f"| {name} | {other['label']} | {other['step'] if other['step'] is not None else '-'} | "
-                             f"{other['tau_macro']:.3f} | {f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'} | "
+                ci = other.tau_macro_ci95
+                difference = "-" if other is row else f"{row.tau_macro - other.tau_macro:+.3f}"
+                lines.append(f"| {name} | {other.label} | {other.step if other.step is not None else '-'} | "
+                             f"{other.tau_macro:.3f} | {f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'} | "
                              f"{difference} |")
             lines.append("")
-        if row["regression"]:
+        if row.regression:
             lines.append("**REGRESSION**: the whole 95% interval lies below the best earlier step's.")
-        elif row["best"]:
-            lines.append("Best step of this run so far." if row["step"] is not None else
+        elif row.best:
+            lines.append("Best step of this run so far." if row.step is not None else
                          "Best checkpoint so far (it has no training step).")
-        elif row["step"] is None:
+        elif row.step is None:
             lines.append("No training step: its place among the steps is unknown, so it is not judged a regression.")
         elif not earlier:
             lines.append("No earlier step to compare with.")

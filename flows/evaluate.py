@@ -5,8 +5,8 @@
 
 Every stage keeps its output in the store under a content key (tasks/stage.py): for a new
 checkpoint of the same drafter run only fetch, drafts and scores do any work; references and
-features show as `Cached`. Inputs are checked before any stage runs, so bad input leaves the store
-untouched.
+features show as `Cached`. Inputs are checked once, before any stage runs (flows/checks.py), so bad
+input leaves the store untouched.
 
 With `baseline` (e.g. the published drafter for the same target) that drafter is scored alongside
 (cached after its first run) and shows as its own row in `dflash-eval history` and the report.
@@ -15,46 +15,35 @@ stable per target and prompt set (flows/artifacts.py).
 """
 
 import inspect
-import threading
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
-import torch
 from prefect import flow, get_client, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
-from transformers import AutoTokenizer
 
-from dflash_core.drafter import SLIDING_SEMANTICS, DrafterConfig, DrafterError, check_compatible, read_drafter_config
-from dflash_core.prompts import PromptError
-from dflash_core.reference.backends import BackendError, open_backend
-from dflash_core.target import read_target_config
+from dflash_core.drafter import SLIDING_SEMANTICS, read_drafter_config
 from dflash_eval.flows.artifacts import publish
-from dflash_eval.flows.history import BASELINES
+from dflash_eval.flows.checks import InputError, inputs_of_run
+from dflash_eval.flows.choices import STAGES, DeviceName, StageName
 from dflash_eval.storage import Store, read_json
-from dflash_eval.storage.checkpoint import weight_file_problem
-from dflash_eval.storage.relay.client import RelayError
+from dflash_eval.tasks.baselines import mark_baseline
 from dflash_eval.tasks.diagnostics import diagnose, layers_needed
 from dflash_eval.tasks.drafts import draft
 from dflash_eval.tasks.features import extract_target_features
-from dflash_eval.tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, await_checkpoint, fetch_checkpoint, read_config, source_step
+from dflash_eval.tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, fetch_checkpoint, source_step
 from dflash_eval.tasks.heavy import heavy_stages_at_once
-from dflash_eval.tasks.references import generate_references, load_prompts
+from dflash_eval.tasks.references import generate_references
 from dflash_eval.tasks.scores import score
-from dflash_eval.tasks.stage import refusals_fail_cleanly, run_entry
+from dflash_eval.tasks.stage import refusals_fail_cleanly
 from dflash_eval.tasks.progress import series_key
 from dflash_eval.tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
 from dflash_eval.tasks.threads import leases_threads
 
-# The parameter types the deployment forms show as dropdowns (Prefect turns Literal into a JSON-schema enum).
-StageName = Literal["fetch", "references", "features", "drafts", "scores", "diagnostics"]
+# The parameter types the deployment forms show as dropdowns (Prefect turns Literal into a JSON-schema enum);
+# StageName and DeviceName: flows/choices.py.
 DtypeName = Literal[DTYPE_CHOICES]
-DeviceName = Literal["cpu", "cuda"]
 SlidingSemantics = Literal[SLIDING_SEMANTICS]
-STAGES = get_args(StageName)
-DEVICES = get_args(DeviceName)
 # What each stage needs done first (a hand-run stage runs these too; they are usually cached).
 DEPENDS_ON = {
     "fetch": (), "references": (), "features": ("references",),
@@ -62,143 +51,8 @@ DEPENDS_ON = {
 }
 
 
-class InputError(ValueError):
-    """Bad input to an evaluation: the message says what is wrong and what to do."""
-
-
-@dataclass(frozen=True)
-class CheckedInputs:
-    drafter: DrafterConfig
-    n_prompts: int
-    num_target_layers: int
-
-
-def check_inputs(
-    target: str, drafter: str, prompts: str, max_new_tokens: int, dtype: str, device: str,
-    sliding_semantics: str, thinking: bool = False, reference: str = "local", temperature: float = 0.0,
-    relay_token_file: str | None = None, baseline: str | None = None, reference_api_key_file: str | None = None,
-    drafter_config: str | None = None, include: list[str] | None = None, checkpoint_wait: float | None = None,
-    settle_seconds: float | None = None,
-) -> CheckedInputs:
-    """Read everything an evaluation needs, without writing anything: raises InputError on bad input.
-
-    A reference server is asked who it is and checked against the target's tokenizer here, so a
-    mismatched or dead server, or one that refuses the API key (or its absence), is refused before
-    any stage stores anything."""
-    if temperature != 0:
-        raise InputError(
-            f"--temperature {temperature}: only greedy decoding (temperature 0) is evaluated; at any other temperature "
-            "the references are samples, and replaying them would not equal speculative decoding"
-        )
-    if dtype not in DTYPE_CHOICES:
-        raise InputError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
-    if sliding_semantics not in SLIDING_SEMANTICS:
-        raise InputError(f"--sliding-semantics must be one of {', '.join(SLIDING_SEMANTICS)}, got {sliding_semantics!r}")
-    if max_new_tokens < 1:
-        raise InputError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
-    if device not in DEVICES:
-        raise InputError(f"--device must be one of {', '.join(DEVICES)}, got {device!r} (choose a GPU with "
-                         "CUDA_VISIBLE_DEVICES)")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    if not Path(target).is_dir():
-        raise InputError(f"target {target} is not a directory: pass a Hugging Face model folder")
-    # a weight file cut short (an interrupted copy, a full disk) would otherwise fail only once the target loads,
-    # after the store was written to; only headers are read (safetensors' own reader raises
-    # its own exception type on such a file)
-    for weights in sorted(Path(target).glob("*.safetensors")):
-        if problem := weight_file_problem(weights):
-            raise InputError(f"target {target}: {problem}; copy the checkpoint again")
-    try:
-        target_config = read_target_config(target)
-    except (ValueError, OSError) as e:
-        raise InputError(f"target {target}: {e}") from None
-    try:
-        fetch_options = {"relay_token_file": relay_token_file, "include": include,
-                                   "wait_seconds": checkpoint_wait, "settle_seconds": settle_seconds}
-        tokenizer = target_tokenizer(target)  # resolves a mask token given as a string
-        drafter_checkpoint = _read_drafter_source(drafter, tokenizer, drafter_config=drafter_config,
-                                                  **fetch_options)
-        check_compatible(drafter_checkpoint, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
-    except DrafterError as e:
-        raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
-    if baseline is not None:
-        try:
-            baseline_config = _read_drafter_source(baseline, tokenizer, **fetch_options)
-            check_compatible(baseline_config, target_config.hidden_size, target_config.vocab_size,
-                             target_config.num_layers)
-        except DrafterError as e:
-            raise InputError(f"baseline drafter {baseline} does not fit target {target}: {e}") from None
-    try:
-        prompt_set = load_prompts(prompts, target, thinking)
-    except PromptError as e:
-        raise InputError(str(e)) from None
-    longest = max(len(p.input_ids) for p in prompt_set)
-    if target_config.max_positions is not None and longest + max_new_tokens > target_config.max_positions:
-        raise InputError(
-            f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds the target's "
-            f"{target_config.max_positions} positions; lower --max-new-tokens or shorten the prompts"
-        )
-    if reference != "local":
-        try:
-            backend = open_backend(reference, AutoTokenizer.from_pretrained(target), api_key_file=reference_api_key_file)
-            backend.identity  # noqa: B018 (asks the server which model it serves)
-            backend.check_matches(target_config.vocab_size)
-        except (ValueError, BackendError) as e:
-            raise InputError(f"reference server: {e}") from None
-    return CheckedInputs(drafter=drafter_checkpoint, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers)
-
-
-# What check_inputs reads of the flow's parameters (temperature aside: the command line takes and checks it).
-CHECKED_PARAMETERS = ("target", "drafter", "prompts", "max_new_tokens", "dtype", "device", "sliding_semantics",
-                      "thinking", "reference", "relay_token_file", "baseline", "reference_api_key_file",
-                      "drafter_config", "include", "checkpoint_wait", "settle_seconds")
-_checked_by_caller = threading.local()
-
-
-def check_arguments(parameters: dict) -> dict:
-    """The check_inputs arguments of a run with these flow parameters (the flow's defaults for those not given)."""
-    defaults = inspect.signature(evaluate_checkpoint.fn).parameters
-    return {name: parameters.get(name, defaults[name].default) for name in CHECKED_PARAMETERS}
-
-
-@contextmanager
-def inputs_checked_by_caller(inputs: CheckedInputs, arguments: dict):
-    """Within it, the next evaluate_checkpoint run in this thread whose check_inputs arguments equal `arguments`
-    takes `inputs` instead of checking the same again: the command line checks before it starts the flow (bad
-    input then costs no server start-up), and a second check would load the tokenizer and ask a reference
-    server its probes once more."""
-    _checked_by_caller.held = (arguments, inputs)
-    try:
-        yield
-    finally:
-        _checked_by_caller.held = None
-
-
-def _check_once(arguments: dict) -> CheckedInputs:
-    held = getattr(_checked_by_caller, "held", None)
-    if held is not None and held[0] == arguments:
-        _checked_by_caller.held = None  # one run takes it
-        return held[1]
-    return check_inputs(**arguments)
-
-
-def _read_drafter_source(drafter: str, tokenizer, drafter_config: str | None = None, **wait_options) -> DrafterConfig:
-    """The drafter's config, once its checkpoint is finished (waited for, bounded): read from a local
-    folder or a relay (only config.json and the manifest travel: nothing is downloaded into the
-    store before the inputs are known to fit), its run folder, or `drafter_config`."""
-    try:
-        ready = await_checkpoint(drafter, **wait_options)
-        raw, config_source = read_config(ready, drafter_config)
-    except (CheckpointError, RelayError, OSError) as e:
-        raise InputError(str(e)) from None
-    return DrafterConfig.from_dict(raw, source=f"{drafter} config.json ({config_source})", tokenizer=tokenizer)
-
-
 def stages_to_run(until: str) -> list[str]:
     """`until` and every stage it depends on, in pipeline order."""
-    if until not in STAGES:
-        raise InputError(f"unknown stage {until!r}: one of {', '.join(STAGES)}")
     needed, todo = set(), [until]
     while todo:
         stage = todo.pop()
@@ -325,11 +179,8 @@ def evaluate_checkpoint(
     # a deployment's templated parameters arrive as "" when their variable is unset
     reference = reference or "local"
     drafter_config, reference_api_key_file = drafter_config or None, reference_api_key_file or None
-    inputs = _check_once(check_arguments(locals()))  # the parameters, as normalised just above
+    inputs = inputs_of_run(locals())  # the parameters, as normalised just above
     refresh = set(refresh or ())
-    unknown = refresh - set(STAGES)
-    if unknown:
-        raise InputError(f"cannot refresh unknown stages {sorted(unknown)}: stages are {', '.join(STAGES)}")
     run = stages_to_run(until)
     _add_tags(run_tags(target, prompts, source_step(drafter), until, refresh))
     # once, before any stage computes a key: `auto` and the name it resolves to share the store's entries
@@ -359,7 +210,7 @@ def evaluate_checkpoint(
     if with_baseline:
         baseline_checkpoint = step("fetch", fetch_checkpoint, baseline, relay_token_file=relay_token_file,
                                    wait_seconds=checkpoint_wait, settle_seconds=settle_seconds, name="baseline fetch")
-        mark_baseline(Store(root), baseline_checkpoint)
+        mark_baseline(baseline_checkpoint, store_root=root)
         baseline_layer_ids = tuple(read_drafter_config(baseline_checkpoint.path,
                                                        tokenizer=target_tokenizer(target)).target_layer_ids)
     if "references" in run:
@@ -423,11 +274,6 @@ def evaluate_checkpoint(
     found = outcome(results)
     get_run_logger().info(found)
     return Completed(message=found, data=results)
-
-
-def mark_baseline(store: Store, checkpoint) -> None:
-    """Record that this checkpoint is scored as a baseline (flows.history shows it as its own row)."""
-    run_entry(store, BASELINES, checkpoint.key, lambda entry: {"source": checkpoint.source, "step": checkpoint.step})
 
 
 def rerun_flow(stage: str):

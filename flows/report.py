@@ -16,79 +16,130 @@ flows.history) the report shows:
   drafter reads the layers it was trained on), tau with the other sliding-layer semantics, and the first
   rejected draft of some prompts as text.
 
-`report.html` embeds its plots as base64 PNGs and its CSS inline: it loads nothing, so it can be mailed
-or attached as it is. `report.md` shows the same content with the plots in `img/`.
+The report is built once as a `Report` (typed history rows, the plots, what the diagnostics say) and
+rendered by one Jinja2 template, templates/report.j2, written twice: with the HTML blocks
+(templates/blocks.html.j2, autoescaped) and with the Markdown ones (templates/blocks.md.j2), so the two
+files never say different things. `report.html` embeds its plots as base64 PNGs and its CSS inline: it
+loads nothing, so it can be mailed or attached as it is. `report.md` shows the plots from `img/`.
 """
 
 import base64
-import html
+import functools
 import io
 import math
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from matplotlib import colormaps
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dflash_eval.flows.history import Group, history
+from dflash_eval.flows.history import Group, HistoryRow, history
 from dflash_eval.storage import EntryMissing, Store, read_json
 from dflash_eval.storage.records import write_bytes_atomic
+from dflash_eval.storage.schema import DIAGNOSTICS_FILE, DiagnosticsRecord, DraftsRecord, Stage
 
-DIAGNOSTICS = "diagnostics"  # store stage: one entry per diagnosed checkpoint, holding diagnostics.json
+TEMPLATES = Path(__file__).parent / "templates"  # installed with the package (pyproject.toml package-data)
 DPI = 110
 # Baselines keep one colour across all plots; red is left for regressions.
 BASELINE_COLORS = ("tab:orange", "tab:gray", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
 RUN_COLORS = ("tab:blue", "tab:green", "tab:purple")  # training runs in the tau-by-step plot
+TAU_PLOT = "-tau-by-step"  # a group's tau-by-step plot: img/group<N>-tau-by-step.png
 
 
 class NothingToReport(LookupError):
     """The store holds no scored checkpoint."""
 
 
-# The report is built once as a list of blocks, then written both as HTML and as Markdown, so the two
-# never say different things.
-
-@dataclass
-class Heading:
-    level: int
-    text: str
-    anchor: str | None = None
-
-
-@dataclass
-class Text:
-    text: str
-
-
-@dataclass
-class Table:
-    header: list[str]
-    rows: list[list[str]]
-    row_classes: list[str] = field(default_factory=list)  # CSS class of each row (HTML only): best, regression, ...
-
-
-@dataclass
+@dataclass(frozen=True)
 class Plot:
+    """A figure: embedded in report.html, written to img/<name>.png for report.md."""
+
     name: str  # file name in img/, without .png
     alt: str
     png: bytes
 
+    @property
+    def file(self) -> str:
+        """Its path relative to the report's folder."""
+        return f"img/{self.name}.png"
 
-@dataclass
-class Contents:
-    """Links to the groups' sections."""
-    links: list[tuple[str, str]]  # (title, anchor)
+    @property
+    def data_uri(self) -> str:
+        """The PNG as a data: URI, so that the page loads nothing."""
+        return "data:image/png;base64," + base64.b64encode(self.png).decode("ascii")
 
 
-@dataclass
-class Examples:
-    """First rejected drafts: rows of diagnostics.json's `first_divergence`."""
-    rows: list[dict]
+@dataclass(frozen=True)
+class CategoryTau:
+    """One row of a group's tau-by-category table."""
+
+    category: str
+    prompts: int  # prompts of that category in the references
+    taus: list[float | None]  # tau macro of each shown checkpoint, None where it has none
+
+
+@dataclass(frozen=True)
+class DiagnosticsSection:
+    """What the report shows of one checkpoint's diagnostics.json (tasks/diagnostics.py)."""
+
+    row: HistoryRow
+    tau: float  # unmodified tau macro
+    layer_ids: list[int] | None  # the target layers the drafter reads
+    num_target_layers: int | None
+    ablation: Plot | None  # None: no layer ablation recorded
+    offset_probe: Plot | None  # None: no offset probed
+    unprobed_offsets: list[int]  # offsets that would read layers outside the target
+    sliding_tried: bool  # whether diagnostics.json says anything about the sliding switch ...
+    sliding_switch: dict | None  # ... {"from", "to", "tau_macro"}, or None: the drafter has no sliding layers
+    examples: list[dict]  # first rejected drafts: diagnostics.json's `first_divergence`
+
+
+@dataclass(frozen=True)
+class GroupSection:
+    """One group of comparable scores (flows.history.Group), with what its section shows."""
+
+    group: Group
+    anchor: str  # "group<N>": the section's id, and the prefix of its plots' names
+    n_prompts: int | None
+    block_sizes: list[int]
+    all_positions: bool  # some row has an all-positions tau: the table shows the column
+    newest: HistoryRow | None  # the last candidate in history order
+    speedup: dict[str, float]  # projected speedup of the newest, {drafter cost c: tau / (1 + c)}; {}: none
+    tau_plot: Plot | None  # None: no checkpoint has a training step
+    acceptance_plot: Plot
+    histogram_plot: Plot
+    shown: list[HistoryRow]  # the newest `last` candidates and the baselines: the curves and the category table
+    categories: list[CategoryTau]
+    diagnostics: list[DiagnosticsSection]
+
+    @property
+    def title(self) -> str:
+        return self.group.title
+
+    def plots(self) -> list[Plot]:
+        """Every plot of the section."""
+        plots = [self.tau_plot, self.acceptance_plot, self.histogram_plot]
+        plots += [p for d in self.diagnostics for p in (d.ablation, d.offset_probe)]
+        return [p for p in plots if p is not None]
+
+
+@dataclass(frozen=True)
+class Report:
+    """What the report shows, rendered by templates/report.j2."""
+
+    store: Path
+    written: datetime  # UTC
+    groups: list[GroupSection]
+
+    def plots(self) -> list[Plot]:
+        """Every plot of the report."""
+        return [p for g in self.groups for p in g.plots()]
 
 
 def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group] | None = None) -> Path:
@@ -100,23 +151,33 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
     if not groups:
         raise NothingToReport(f"no scored checkpoint in {store.root}: nothing to report")
     diagnostics = _diagnostics_by_checkpoint(store)
-    blocks = [Text(f"Store {store.root.resolve()}, written {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC. "
-                   "tau is the number of tokens one target step emits (accepted drafts + the target's own token): "
-                   "tau macro averages each prompt's mean, tau pooled divides all tokens by all steps. "
-                   "Intervals are 95% bootstrap intervals over prompts.")]
-    if len(groups) > 1:
-        blocks.append(Contents([(g.title, f"group{i}") for i, g in enumerate(groups, start=1)]))
-    for index, group in enumerate(groups, start=1):
-        blocks += _group_blocks(group, f"group{index}", max(1, last), diagnostics)
+    report = Report(store=store.root.resolve(), written=datetime.now(timezone.utc),
+                    groups=[_group_section(group, f"group{index}", max(1, last), diagnostics)
+                            for index, group in enumerate(groups, start=1)])
 
     out_dir = Path(out_dir)
-    files = {out_dir / "img" / f"{b.name}.png": b.png for b in blocks if isinstance(b, Plot)}
-    files[out_dir / "report.md"] = _markdown(blocks).encode("utf-8")
-    files[out_dir / "report.html"] = _html(blocks).encode("utf-8")  # last: once it is there, so is the rest
+    files = {out_dir / plot.file: plot.png for plot in report.plots()}
+    files[out_dir / "report.md"] = _render(report, "md").encode("utf-8")
+    files[out_dir / "report.html"] = _render(report, "html").encode("utf-8")  # last: once it is there, so is the rest
     for path, data in files.items():
         write_bytes_atomic(path, data)
         os.chmod(path, 0o644)  # a report is for reading by others (the atomic write creates 0600 files)
     return out_dir / "report.html"
+
+
+def _render(report: Report, form: str) -> str:
+    """The report as "html" or "md" (templates/report.j2 with the blocks of that form)."""
+    return _environment(form == "html").get_template("report.j2").render(report=report, blocks=f"blocks.{form}.j2")
+
+
+@functools.cache
+def _environment(autoescape: bool) -> Environment:
+    # one per form: Jinja2 decides autoescaping per environment, and report.j2 is shared by both forms
+    environment = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=autoescape, undefined=StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True)
+    environment.filters.update(counted=_count, decimals=_decimals, fence=_fence, md_cell=_markdown_cell,
+                               name=_name, squash=_squash)
+    return environment
 
 
 def _diagnostics_by_checkpoint(store: Store) -> dict[tuple[str, str, str], dict]:
@@ -124,20 +185,18 @@ def _diagnostics_by_checkpoint(store: Store) -> dict[tuple[str, str, str], dict]
     (the newest, if it was diagnosed more than once). Matched through the drafts entry, not the scores key:
     the row history keeps for a checkpoint may be another scores entry of the same drafts (all-positions mode)."""
     found: dict[tuple[str, str, str], tuple[float, dict]] = {}
-    for key in store.keys(DIAGNOSTICS):
-        path = store.entry(DIAGNOSTICS, key) / "diagnostics.json"
+    for key in store.keys(Stage.DIAGNOSTICS):
+        path = store.entry(Stage.DIAGNOSTICS, key) / DIAGNOSTICS_FILE
         try:  # the diagnostics record first: reading it verifies diagnostics.json (a damaged one is warned about)
-            drafts = store.read_record("drafts", store.read_record(DIAGNOSTICS, key)["drafts"], verify=False)
+            record = DiagnosticsRecord.from_record(store.read_record(Stage.DIAGNOSTICS, key))
+            drafts = DraftsRecord.from_record(store.read_record(Stage.DRAFTS, record.drafts, verify=False))
             written, report = path.stat().st_mtime, read_json(path)
         except (EntryMissing, KeyError, OSError, ValueError):  # removed meanwhile, damaged, or not in this format
             continue
-        checkpoint = (drafts["features"], drafts["sliding_semantics"], drafts["checkpoint"])
+        checkpoint = (drafts.features, drafts.sliding_semantics, drafts.checkpoint)
         if checkpoint not in found or written > found[checkpoint][0]:
             found[checkpoint] = (written, report)
     return {checkpoint: report for checkpoint, (_, report) in found.items()}
-
-
-TAU_PLOT = "-tau-by-step"  # a group's tau-by-step plot: img/group<N>-tau-by-step.png
 
 
 def tau_plot_path(group_number: int) -> str:
@@ -146,96 +205,107 @@ def tau_plot_path(group_number: int) -> str:
     return f"img/group{group_number}{TAU_PLOT}.png"
 
 
-def _group_blocks(group: Group, prefix: str, last: int, diagnostics: dict[tuple[str, str, str], dict]) -> list:
-    scores = {row["scores"]: read_json(row["scores_path"]) for row in group.rows}
-    n_prompts = scores[group.rows[0]["scores"]].get("n_prompts")  # the same references for every row
-    block_sizes = ", ".join(str(b) for b in sorted({s.get("block_size") for s in scores.values()} - {None}))
-    blocks = [Heading(2, group.title, anchor=prefix),
-              Text(f"{_count(len(group.candidates), 'checkpoint')}, {_count(len(group.baselines), 'baseline')}; "
-                   f"{n_prompts} prompts; block size {block_sizes}.")]
-    blocks.append(_tau_table(group))
-
-    stepped = [r for r in group.candidates if r["step"] is not None]
+def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple[str, str, str], dict]) -> GroupSection:
+    scores = {row.scores: read_json(row.scores_path) for row in group.rows}
     # newest = last in history order, the order the table, the curves and the artifacts use
     newest = group.candidates[-1] if group.candidates else None
-    if newest is not None and scores[newest["scores"]].get("projected_speedup"):
-        speedups = ", ".join(f"{x:.2f}x at c = {c}" for c, x in scores[newest["scores"]]["projected_speedup"].items())
-        blocks.append(Text(f"Projected speedup of the newest checkpoint, {newest['label']} (tau "
-                           f"{newest['tau_macro']:.2f}), for a drafter forward costing c target forwards "
-                           f"(tau / (1 + c)): {speedups}. A 5-layer drafter over a large target costs about "
-                           "c = 0.05-0.1."))
-
-    if stepped:
-        blocks.append(Text("Error bars and shaded bands are 95% intervals. A regression (red) is a checkpoint "
-                           "whose whole interval lies below the best earlier step's. Checkpoints without a training "
-                           "step are listed by when they were first scored and never flagged: their place among "
-                           "the steps is unknown."))
-        blocks.append(Plot(f"{prefix}{TAU_PLOT}", "tau macro by training step", _tau_plot(group)))
-    else:
-        blocks.append(Text("No checkpoint has a training step: no tau-by-step plot."))
-
     shown = group.candidates[-last:] + group.baselines
     colors = _colors(shown)
-    blocks.append(Heading(3, "Acceptance inside the block"))
-    blocks.append(Text("Newest checkpoints and baselines. Left: the probability that draft position k is accepted "
-                       "when every earlier position was; right: the probability that positions 1..k are all "
-                       "accepted (the product of the left curve up to k). Below: how many tokens each target step "
-                       "emitted, as a fraction of all steps."))
-    blocks.append(Plot(f"{prefix}-position-acceptance", "acceptance by draft position",
-                       _acceptance_plot(shown, scores, colors)))
-    blocks.append(Plot(f"{prefix}-acceptance-lengths", "acceptance-length histogram",
-                       _histogram_plot(shown, scores, colors)))
-    category_table = _category_table(shown, scores)
-    if category_table is not None:
-        blocks += [Heading(3, "tau macro by prompt category"), category_table]
-
+    stepped = any(r.step is not None for r in group.candidates)
+    sections = []
     for row in group.rows:
-        report = diagnostics.get((group.features, group.sliding_semantics, row["checkpoint"]))
+        report = diagnostics.get((group.features, group.sliding_semantics, row.checkpoint))
         if report is not None:
-            blocks += _diagnostics_blocks(row, report, f"{prefix}-{_slug(row)}")
-    return blocks
+            sections.append(_diagnostics_section(row, report, f"{anchor}-{_slug(row)}"))
+    return GroupSection(
+        group=group, anchor=anchor,
+        n_prompts=scores[group.rows[0].scores].get("n_prompts"),  # the same references for every row
+        block_sizes=sorted({s.get("block_size") for s in scores.values()} - {None}),
+        all_positions=any(row.all_positions_tau is not None for row in group.rows),
+        newest=newest,
+        speedup=(scores[newest.scores].get("projected_speedup") or {}) if newest is not None else {},
+        tau_plot=Plot(f"{anchor}{TAU_PLOT}", "tau macro by training step", _tau_plot(group)) if stepped else None,
+        acceptance_plot=Plot(f"{anchor}-position-acceptance", "acceptance by draft position",
+                             _acceptance_plot(shown, scores, colors)),
+        histogram_plot=Plot(f"{anchor}-acceptance-lengths", "acceptance-length histogram",
+                            _histogram_plot(shown, scores, colors)),
+        shown=shown,
+        categories=_categories(shown, scores),
+        diagnostics=sections,
+    )
 
 
-def _tau_table(group: Group) -> Table:
-    all_positions = any(row.get("all_positions_tau") is not None for row in group.rows)
-    header = ["step", "checkpoint", "tau macro", "95% CI", "tau pooled"]
-    header += ["tau, all positions"] if all_positions else []
-    rows, classes = [], []
-    for row in group.rows:
-        ci = row["tau_macro_ci95"]
-        mark = "best" if row["best"] else "REGRESSION" if row["regression"] else "baseline" if row["baseline"] else ""
-        step = "baseline" if row["baseline"] else "-" if row["step"] is None else str(row["step"])
-        cells = [step, row["label"], f"{row['tau_macro']:.3f}", f"{ci[0]:.2f} - {ci[1]:.2f}" if ci else "-",
-                 f"{row['tau_pooled']:.3f}"]
-        if all_positions:
-            cells.append("-" if row.get("all_positions_tau") is None else f"{row['all_positions_tau']:.3f}")
-        rows.append(cells + [mark])
-        classes.append(mark.lower())
-    return Table(header + [""], rows, classes)
+def _categories(shown: list[HistoryRow], scores: dict[str, dict]) -> list[CategoryTau]:
+    by_category = {row.scores: scores[row.scores].get("tau_by_category") or {} for row in shown}
+    # every row of a group was scored on the same references: any one counts the prompts
+    prompts = [p.get("category") for p in scores[shown[0].scores].get("per_prompt", [])]
+    return [CategoryTau(category, prompts.count(category), [by_category[row.scores].get(category) for row in shown])
+            for category in sorted({c for taus in by_category.values() for c in taus})]
+
+
+def _diagnostics_section(row: HistoryRow, report: dict, prefix: str) -> DiagnosticsSection:
+    tau = report.get("tau_macro", row.tau_macro)
+    probe = report.get("layer_offset_probe") or []
+    ablation = offset_probe = None
+    if report.get("layer_ablation"):
+        ablation = Plot(f"{prefix}-ablation", "layer ablation", _ablation_plot(report, tau))
+    if any(p["tau_macro"] is not None for p in probe):
+        offset_probe = Plot(f"{prefix}-offset-probe", "layer offset probe", _offset_plot(probe, tau))
+    return DiagnosticsSection(
+        row=row, tau=tau, layer_ids=report.get("layer_ids"), num_target_layers=report.get("num_target_layers"),
+        ablation=ablation, offset_probe=offset_probe,
+        unprobed_offsets=[p["offset"] for p in probe if p["tau_macro"] is None],
+        sliding_tried="sliding_switch" in report, sliding_switch=report.get("sliding_switch"),
+        examples=report.get("first_divergence") or [],
+    )
+
+
+# ------------------------------------------------------------------ template filters
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
-def _name(row: dict) -> str:
+def _decimals(x: float | None, digits: int) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _name(row: HistoryRow) -> str:
     """How a checkpoint is called in legends and table headers."""
-    return f"{row['label']} (baseline)" if row["baseline"] else row["label"]
+    return f"{row.label} (baseline)" if row.baseline else row.label
 
 
-def _slug(row: dict) -> str:
+def _squash(text: str) -> str:
+    # a paragraph's template lines as one line; type(text) keeps autoescaped Markup as Markup
+    return type(text)(" ").join(text.split())
+
+
+def _markdown_cell(cell: str) -> str:
+    return cell.replace("|", "\\|").replace("\n", " ")
+
+
+def _fence(text: str) -> str:
+    # a fence longer than any backtick run in the text, so the text cannot close it
+    return "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
+
+
+# ------------------------------------------------------------------ plots
+
+
+def _slug(row: HistoryRow) -> str:
     # file names stay readable (the label) and unique (the scores key)
-    return re.sub(r"[^A-Za-z0-9_.-]+", "-", row["label"]).strip("-") + "-" + row["scores"][:8]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", row.label).strip("-") + "-" + row.scores[:8]
 
 
-def _colors(shown: list[dict]) -> dict[str, object]:
+def _colors(shown: list[HistoryRow]) -> dict[str, object]:
     """scores key -> colour: candidates from light (older) to dark (newest), baselines their own colours."""
-    candidates = [r for r in shown if not r["baseline"]]
+    candidates = [r for r in shown if not r.baseline]
     colors = {}
     for i, row in enumerate(candidates):
-        colors[row["scores"]] = colormaps["viridis"](0.8 - 0.7 * i / max(1, len(candidates) - 1))
-    for i, row in enumerate(r for r in shown if r["baseline"]):
-        colors[row["scores"]] = BASELINE_COLORS[i % len(BASELINE_COLORS)]
+        colors[row.scores] = colormaps["viridis"](0.8 - 0.7 * i / max(1, len(candidates) - 1))
+    for i, row in enumerate(r for r in shown if r.baseline):
+        colors[row.scores] = BASELINE_COLORS[i % len(BASELINE_COLORS)]
     return colors
 
 
@@ -255,35 +325,35 @@ def _png(fig: Figure) -> bytes:
 def _tau_plot(group: Group) -> bytes:
     fig = Figure(figsize=(9, 4.5), dpi=DPI, layout="constrained")
     ax = fig.add_subplot()
-    stepped = [r for r in group.candidates if r["step"] is not None]
+    stepped = [r for r in group.candidates if r.step is not None]
     # checkpoints of different training runs (source folders) are separate lines, not one zigzag
-    runs: dict[str, list[dict]] = {}
+    runs: dict[str, list[HistoryRow]] = {}
     for row in stepped:
-        runs.setdefault(str(Path(row["source"].rstrip("/")).parent), []).append(row)
+        runs.setdefault(str(Path(row.source.rstrip("/")).parent), []).append(row)
     handles = []  # in the legend's order
     for i, (run, rows) in enumerate(runs.items()):
-        taus = [r["tau_macro"] for r in rows]
-        errors = [[t - r["tau_macro_ci95"][0] if r["tau_macro_ci95"] else 0 for t, r in zip(taus, rows)],
-                  [r["tau_macro_ci95"][1] - t if r["tau_macro_ci95"] else 0 for t, r in zip(taus, rows)]]
+        taus = [r.tau_macro for r in rows]
+        errors = [[t - r.tau_macro_ci95[0] if r.tau_macro_ci95 else 0 for t, r in zip(taus, rows)],
+                  [r.tau_macro_ci95[1] - t if r.tau_macro_ci95 else 0 for t, r in zip(taus, rows)]]
         label = "tau macro, 95% CI" if len(runs) == 1 else f"{Path(run).name}: tau macro, 95% CI"
-        handles.append(ax.errorbar([r["step"] for r in rows], taus, yerr=errors, marker="o", capsize=4,
+        handles.append(ax.errorbar([r.step for r in rows], taus, yerr=errors, marker="o", capsize=4,
                                    color=RUN_COLORS[i % len(RUN_COLORS)], label=label))
     best = group.best
-    if best is not None and best["step"] is not None:
-        label = f"best: step {best['step']} ({best['tau_macro']:.2f})"
-        handles.append(ax.scatter([best["step"]], [best["tau_macro"]], marker="*", s=320, color="gold",
+    if best is not None and best.step is not None:
+        label = f"best: step {best.step} ({best.tau_macro:.2f})"
+        handles.append(ax.scatter([best.step], [best.tau_macro], marker="*", s=320, color="gold",
                                   edgecolor="black", zorder=6, label=label))
-    regressions = [r for r in stepped if r["regression"]]
+    regressions = [r for r in stepped if r.regression]
     if regressions:
-        handles.append(ax.scatter([r["step"] for r in regressions], [r["tau_macro"] for r in regressions], s=90,
+        handles.append(ax.scatter([r.step for r in regressions], [r.tau_macro for r in regressions], s=90,
                                   color="red", zorder=5, label="regression"))
     for i, row in enumerate(group.baselines):
         color = BASELINE_COLORS[i % len(BASELINE_COLORS)]
-        handles.append(ax.axhline(row["tau_macro"], color=color, linestyle="--",
-                                  label=f"baseline {row['label']} ({row['tau_macro']:.2f})"))
-        if row["tau_macro_ci95"]:
-            ax.axhspan(*row["tau_macro_ci95"], color=color, alpha=0.12)
-    steps = sorted({r["step"] for r in stepped})
+        handles.append(ax.axhline(row.tau_macro, color=color, linestyle="--",
+                                  label=f"baseline {row.label} ({row.tau_macro:.2f})"))
+        if row.tau_macro_ci95:
+            ax.axhspan(*row.tau_macro_ci95, color=color, alpha=0.12)
+    steps = sorted({r.step for r in stepped})
     if len(steps) <= 12:
         ax.set_xticks(steps)
     ax.set_xlabel("training step")
@@ -296,18 +366,18 @@ def _tau_plot(group: Group) -> bytes:
     return _png(fig)
 
 
-def _acceptance_plot(shown: list[dict], scores: dict[str, dict], colors: dict) -> bytes:
+def _acceptance_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: dict) -> bytes:
     fig = Figure(figsize=(12, 4.5), dpi=DPI, layout="constrained")
     conditional, cumulative = fig.subplots(1, 2, sharex=True)
     for row in shown:
-        rates = [math.nan if p is None else p for p in scores[row["scores"]].get("position_acceptance", [])]
+        rates = [math.nan if p is None else p for p in scores[row.scores].get("position_acceptance", [])]
         # NaN (no step reached that position) propagates: the cumulative curve is unknown from there on
         together, product = [], 1.0
         for rate in rates:
             product *= rate
             together.append(product)
         positions = range(1, len(rates) + 1)
-        style = dict(color=colors[row["scores"]], marker="o", linestyle="--" if row["baseline"] else "-")
+        style = dict(color=colors[row.scores], marker="o", linestyle="--" if row.baseline else "-")
         conditional.plot(positions, rates, label=_name(row), **style)
         cumulative.plot(positions, together, **style)
     conditional.set(title="Conditional acceptance by draft position", xlabel="draft position k",
@@ -321,18 +391,18 @@ def _acceptance_plot(shown: list[dict], scores: dict[str, dict], colors: dict) -
     return _png(fig)
 
 
-def _histogram_plot(shown: list[dict], scores: dict[str, dict], colors: dict) -> bytes:
+def _histogram_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: dict) -> bytes:
     fig = Figure(figsize=(10, 4.5), dpi=DPI, layout="constrained")
     ax = fig.add_subplot()
     width = 0.8 / len(shown)
     longest = 1
     for i, row in enumerate(shown):
-        counts = {int(length): n for length, n in scores[row["scores"]].get("histogram", {}).items()}
+        counts = {int(length): n for length, n in scores[row.scores].get("histogram", {}).items()}
         total = sum(counts.values()) or 1
         lengths = sorted(counts)
         longest = max([longest, *lengths])
         ax.bar([length - 0.4 + width * (i + 0.5) for length in lengths], [counts[n] / total for n in lengths],
-               width, color=colors[row["scores"]], hatch="//" if row["baseline"] else None, edgecolor="white",
+               width, color=colors[row.scores], hatch="//" if row.baseline else None, edgecolor="white",
                linewidth=0.5, label=_name(row))
     ax.set_xticks(range(1, longest + 1))
     ax.set_xlabel("acceptance length (tokens emitted by one target step)")
@@ -341,54 +411,6 @@ def _histogram_plot(shown: list[dict], scores: dict[str, dict], colors: dict) ->
     ax.grid(axis="y", alpha=0.3)
     fig.legend(loc="outside lower center", ncols=_legend_columns([_name(row) for row in shown], 10))
     return _png(fig)
-
-
-def _category_table(shown: list[dict], scores: dict[str, dict]) -> Table | None:
-    by_category = {row["scores"]: scores[row["scores"]].get("tau_by_category") or {} for row in shown}
-    categories = sorted({c for taus in by_category.values() for c in taus})
-    if not categories:
-        return None
-    # every row of a group was scored on the same references: any one counts the prompts
-    prompts = [p.get("category") for p in scores[shown[0]["scores"]].get("per_prompt", [])]
-    rows = []
-    for category in categories:
-        taus = [by_category[row["scores"]].get(category) for row in shown]
-        rows.append([category, str(prompts.count(category))] + [f"{t:.2f}" if t is not None else "-" for t in taus])
-    return Table(["category", "prompts"] + [_name(row) for row in shown], rows)
-
-
-def _diagnostics_blocks(row: dict, report: dict, prefix: str) -> list:
-    tau = report.get("tau_macro", row["tau_macro"])
-    blocks = [Heading(3, f"Diagnostics: {_name(row)}"),
-              Text(f"Unmodified tau macro {tau:.2f}, reading target layers {report.get('layer_ids')} "
-                   f"of the target's {report.get('num_target_layers')}.")]
-    if report.get("layer_ablation"):
-        blocks.append(Text("Layer ablation: tau with one layer's features zeroed. A layer whose ablation costs "
-                           "little is one the drafter hardly uses; 'all layers' near 1 means the drafter "
-                           "draws everything from the target's features."))
-        blocks.append(Plot(f"{prefix}-ablation", "layer ablation", _ablation_plot(report, tau)))
-    probe = report.get("layer_offset_probe") or []
-    if any(p["tau_macro"] is not None for p in probe):
-        blocks.append(Text("Layer offset probe: tau with every target layer id shifted by an offset. A peak "
-                           "away from offset 0 means the drafter reads other layers than those it was "
-                           "trained on (an off-by-one in layer numbering)."))
-        blocks.append(Plot(f"{prefix}-offset-probe", "layer offset probe", _offset_plot(probe, tau)))
-        outside = [f"{p['offset']:+d}" for p in probe if p["tau_macro"] is None]
-        if outside:
-            blocks.append(Text(f"Offsets {', '.join(outside)} would read layers outside the target: not probed."))
-    if "sliding_switch" in report:
-        switch = report["sliding_switch"]
-        if switch is None:
-            blocks.append(Text("The drafter has no sliding-window layers: no sliding-semantics switch to try."))
-        else:
-            blocks.append(Text(f"Sliding layers switched from {switch['from']} to {switch['to']}: tau macro "
-                               f"{switch['tau_macro']:.2f} ({switch['tau_macro'] - tau:+.2f} against {tau:.2f} "
-                               "unmodified)."))
-    if report.get("first_divergence"):
-        blocks.append(Text("First rejected draft of some prompts: the text before the block, the block the "
-                           "drafter proposed, and what the target generated there."))
-        blocks.append(Examples(report["first_divergence"]))
-    return blocks
 
 
 def _ablation_plot(report: dict, tau: float) -> bytes:
@@ -412,7 +434,7 @@ def _ablation_plot(report: dict, tau: float) -> bytes:
     return _png(fig)
 
 
-def _offset_plot(probe: list[dict], tau: float) -> bytes:
+def _offset_plot(probe: list[HistoryRow], tau: float) -> bytes:
     probed = [p for p in probe if p["tau_macro"] is not None]
     # tick labels list the layers read: give each tick room for five of them
     fig = Figure(figsize=(max(7, 1.6 * len(probed) + 1), 4.5), dpi=DPI, layout="constrained")
@@ -430,110 +452,3 @@ def _offset_plot(probe: list[dict], tau: float) -> bytes:
     ax.grid(alpha=0.3)
     ax.legend(loc="upper center")
     return _png(fig)
-
-
-# ------------------------------------------------------------------ HTML
-
-CSS = """
-body { font-family: system-ui, -apple-system, "Segoe UI", Roboto, sans-serif; margin: 2em auto; max-width: 1300px;
-       padding: 0 1em; color: #222; line-height: 1.4; }
-h1 { border-bottom: 2px solid #444; }
-h2 { margin-top: 2.5em; border-bottom: 1px solid #aaa; }
-table { border-collapse: collapse; margin: 1em 0; }
-th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
-th { background: #f0f0f0; }
-td { font-variant-numeric: tabular-nums; }
-tr.best td { background: #fff6cc; font-weight: bold; }
-tr.regression td { background: #fde0e0; color: #a00; }
-tr.baseline td { color: #555; font-style: italic; }
-img { max-width: 100%; display: block; margin: 1em 0; }
-/* break-spaces (where supported) also gives trailing spaces their width, so the shaded box shows them */
-.text { font-family: ui-monospace, Menlo, Consolas, monospace; white-space: pre-wrap; white-space: break-spaces;
-        background: #f4f4f4;
-        padding: 0.1em 0.3em; max-width: 28em; }
-"""
-
-
-def _html(blocks: list) -> str:
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-             "<title>DFlash drafter report</title>", f"<style>{CSS}</style>", "</head><body>",
-             "<h1>DFlash drafter report</h1>"]
-    for block in blocks:
-        if isinstance(block, Heading):
-            anchor = f' id="{html.escape(block.anchor)}"' if block.anchor else ""
-            parts.append(f"<h{block.level}{anchor}>{html.escape(block.text)}</h{block.level}>")
-        elif isinstance(block, Text):
-            parts.append(f"<p>{html.escape(block.text)}</p>")
-        elif isinstance(block, Contents):
-            items = "".join(f'<li><a href="#{anchor}">{html.escape(title)}</a></li>' for title, anchor in block.links)
-            parts.append(f"<ul>{items}</ul>")
-        elif isinstance(block, Table):
-            parts.append(_html_table(block))
-        elif isinstance(block, Plot):
-            data = base64.b64encode(block.png).decode("ascii")
-            parts.append(f'<img src="data:image/png;base64,{data}" alt="{html.escape(block.alt)}">')
-        elif isinstance(block, Examples):
-            parts.append(_html_examples(block))
-    parts.append("</body></html>")
-    return "\n".join(parts) + "\n"
-
-
-def _html_table(table: Table) -> str:
-    lines = ["<table>", "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in table.header) + "</tr>"]
-    for i, row in enumerate(table.rows):
-        css = table.row_classes[i] if i < len(table.row_classes) and table.row_classes[i] else None
-        cells = "".join(f"<td>{html.escape(cell)}</td>" for cell in row)
-        lines.append(f'<tr class="{css}">{cells}</tr>' if css else f"<tr>{cells}</tr>")
-    lines.append("</table>")
-    return "\n".join(lines)
-
-
-def _html_examples(examples: Examples) -> str:
-    header = ["prompt", "category", "step", "position", "accepted", "context", "drafted", "reference"]
-    lines = ["<table>", "<tr>" + "".join(f"<th>{h}</th>" for h in header) + "</tr>"]
-    for example in examples.rows:
-        plain = [example.get(h) for h in ("id", "category", "step", "position", "accepted")]
-        texts = [example.get(h, "") for h in ("context", "drafted", "reference")]
-        lines.append("<tr>" + "".join(f"<td>{html.escape(str(v if v is not None else '-'))}</td>" for v in plain)
-                     + "".join(f'<td><div class="text">{html.escape(str(t))}</div></td>' for t in texts) + "</tr>")
-    lines.append("</table>")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------ Markdown
-
-def _markdown(blocks: list) -> str:
-    parts = ["# DFlash drafter report"]
-    for block in blocks:
-        if isinstance(block, Heading):
-            anchor = f'<a id="{block.anchor}"></a>\n' if block.anchor else ""
-            parts.append(f"{anchor}{'#' * block.level} {block.text}")
-        elif isinstance(block, Text):
-            parts.append(block.text)
-        elif isinstance(block, Contents):
-            parts.append("\n".join(f"- [{title}](#{anchor})" for title, anchor in block.links))
-        elif isinstance(block, Table):
-            lines = ["| " + " | ".join(_markdown_cell(h) for h in block.header) + " |",
-                     "|" + "---|" * len(block.header)]
-            lines += ["| " + " | ".join(_markdown_cell(c) for c in row) + " |" for row in block.rows]
-            parts.append("\n".join(lines))
-        elif isinstance(block, Plot):
-            parts.append(f"![{block.alt}](img/{block.name}.png)")
-        elif isinstance(block, Examples):
-            parts += [_markdown_example(example) for example in block.rows]
-    return "\n\n".join(parts) + "\n"
-
-
-def _markdown_cell(cell: str) -> str:
-    return cell.replace("|", "\\|").replace("\n", " ")
-
-
-def _markdown_example(example: dict) -> str:
-    parts = [f"**{example.get('id')}** ({example.get('category')}): step {example.get('step')}, position "
-             f"{example.get('position')}, {_count(example.get('accepted', 0), 'draft')} accepted"]
-    for part in ("context", "drafted", "reference"):
-        text = str(example.get(part, ""))
-        # a fence longer than any backtick run in the text, so the text cannot close it
-        fence = "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
-        parts.append(f"{part}:\n{fence}text\n{text}\n{fence}")
-    return "\n\n".join(parts)

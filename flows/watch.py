@@ -23,7 +23,7 @@ MAX_ATTEMPTS = 3  # evaluations of one checkpoint that failed before the watcher
 
 def scored_checkpoints(store: Store) -> set[str]:
     """Content keys of every checkpoint the store has scores for."""
-    return {row["checkpoint"] for group in history(store) for row in group.rows}
+    return {row.checkpoint for group in history(store) for row in group.rows}
 
 
 @flow(name="watch-relay", persist_result=False)

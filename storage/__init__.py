@@ -1,8 +1,9 @@
-"""Content hashing, the content-addressed store, and zarr feature arrays.
+"""What lands on disk, and checkpoints arriving: the content-addressed store, its records and zarr feature arrays,
+and the checkpoint relay.
 
-Imports neither Prefect nor dflash_core: it stores arrays, tensors and JSON, and the
-callers (tasks/) convert. `dflash_eval.storage.feature_store` imports torch and zarr, so it is not
-imported here; `from storage.feature_store import FeatureStore`.
+Imports no Prefect, and of dflash_core only `dflash_core.checkpoint_files` (the files of a checkpoint folder, no
+torch), which the relay reads checkpoints with. `dflash_eval.storage.feature_store` imports torch and zarr, so it
+is not imported here: `from dflash_eval.storage.feature_store import FeatureStore`.
 """
 
 from .hashing import (
@@ -15,7 +16,7 @@ from .hashing import (
     key_of,
 )
 from .records import read_json, write_json_atomic
-from .store import CorruptEntryWarning, EntryMissing, LockTimeout, Store, default_root
+from .store import CorruptEntryWarning, EntryMissing, LockTimeout, Miss, Outcome, Store, default_root
 
 __all__ = [
     "CHECKPOINT_PATTERNS",
@@ -24,6 +25,8 @@ __all__ = [
     "DirectoryDigest",
     "EntryMissing",
     "LockTimeout",
+    "Miss",
+    "Outcome",
     "Store",
     "canonical_json",
     "default_root",

@@ -9,7 +9,8 @@ storage.store). A label names one upstream:
   other checkpoints added to the same features entry later.
 
 An entry whose recorded digests differ from its upstream's current ones was built on output that has
-changed since (a refresh that did not reproduce it): it is stale and is recomputed when next used.
+changed since (a refresh that did not reproduce it): it is stale and is recomputed when next used
+(`changed_upstream`, applied by `Store.get_or_compute`).
 
 `verify_store` walks every entry: marker, checksums of its files and of every feature array, chunk
 files, JSON that parses, staleness; with `repair` it removes what is damaged so that the next run
@@ -19,9 +20,8 @@ recomputes exactly that.
 from dataclasses import dataclass, field
 
 from .feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
-from .store import _KEY_RE, _STAGE_RE, MARKER_NAME, Damage, Entry, EntryMissing, LockTimeout, Store
-
-FEATURES = "features"
+from .schema import Stage
+from .store import _KEY_RE, _STAGE_RE, MARKER_NAME, Damage, Entry, EntryMissing, LockTimeout, Store, changed_upstream
 
 
 class StaleEntryWarning(UserWarning):
@@ -35,7 +35,7 @@ def entry_label(stage: str, key: str) -> str:
 
 def features_label(key: str, layer_ids, n_sequences: int) -> str:
     """The upstream label of some layers of a features entry, for sequences 0..n_sequences-1."""
-    return f"{FEATURES}/{key}/layers={','.join(str(int(i)) for i in layer_ids)}/n={int(n_sequences)}"
+    return f"{Stage.FEATURES}/{key}/layers={','.join(str(int(i)) for i in layer_ids)}/n={int(n_sequences)}"
 
 
 def upstream_digest(store: Store, label: str) -> str | None:
@@ -45,9 +45,11 @@ def upstream_digest(store: Store, label: str) -> str | None:
     try:
         if len(parts) == 2:
             return store.content(parts[0], parts[1])
-        if len(parts) == 4 and parts[0] == FEATURES and parts[2].startswith("layers=") and parts[3].startswith("n="):
+        if (len(parts) == 4 and parts[0] == Stage.FEATURES and parts[2].startswith("layers=")
+                and parts[3].startswith("n=")):
             ids = [int(i) for i in parts[2].removeprefix("layers=").split(",") if i]
-            return FeatureStore.in_entry(store.entry(FEATURES, parts[1])).digest(ids, int(parts[3].removeprefix("n=")))
+            features = FeatureStore.in_entry(store.entry(Stage.FEATURES, parts[1]))
+            return features.digest(ids, int(parts[3].removeprefix("n=")))
     except (EntryMissing, FeatureMissing):
         return None
     raise ValueError(f"not an upstream label: {label!r} (see storage.integrity)")
@@ -56,14 +58,6 @@ def upstream_digest(store: Store, label: str) -> str | None:
 def upstream_digests(store: Store, labels) -> dict[str, str | None]:
     """{label: current content digest} for each label."""
     return {label: upstream_digest(store, label) for label in labels}
-
-
-def changed_upstream(recorded: dict[str, str | None] | None, current: dict[str, str | None]) -> list[str]:
-    """The labels whose content differs between what an entry recorded and `current` (every label of
-    either). Nothing when the entry recorded no upstream (committed before digests were recorded)."""
-    if recorded is None:
-        return []
-    return sorted(label for label in set(recorded) | set(current) if recorded.get(label) != current.get(label))
 
 
 def stale_upstream(store: Store, entry: Entry) -> list[str]:

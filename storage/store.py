@@ -18,8 +18,8 @@ On-disk layout (root = `Store(root)`, default `$DFLASH_STORE`, else `./.dflash-s
 - `files`: {path relative to the entry: {"size", "sha256"}} of every file the stage wrote, except
   subtrees that carry their own digests (`skip`, e.g. features.zarr: one sha256 per array marker);
 - `content`: the digest of `files`, what entries built on this one record as its content;
-- `upstream`: {label: content digest} of what the entry was built from (given by the stage); a reader
-  that finds another content there now treats the entry as stale (tasks/stage.py);
+- `upstream`: {label: content digest} of what the entry was built from (given by the stage); `get_or_compute`
+  treats an entry whose upstream has another content now as stale;
 - `checksum`: sha256 of record, files, content and upstream, so a flipped digit in a record is caught.
 
 An entry without `entry.json` is incomplete: its files may be partial (a killed writer) and are
@@ -66,13 +66,15 @@ _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
 class EntryMissing(LookupError):
-    """A store entry is absent or incomplete (no valid `entry.json`): the stage must run."""
+    """A store entry is absent or incomplete (no valid `entry.json`): the stage must run. `damaged`: it
+    was committed, but found damaged and removed (`reason` names what was wrong)."""
 
-    def __init__(self, stage: str, key: str, reason: str):
+    def __init__(self, stage: str, key: str, reason: str, *, damaged: bool = False):
         super().__init__(f"{stage}/{key}: {reason}")
         self.stage = stage
         self.key = key
         self.reason = reason
+        self.damaged = damaged
 
 
 class CorruptEntryWarning(UserWarning):
@@ -106,6 +108,42 @@ class Entry:
 
 class LockTimeout(TimeoutError):
     """`Store.lock` waited longer than its timeout."""
+
+
+# Why `Store.get_or_compute` computed an entry (`Miss.kind`).
+ABSENT = "absent"  # no entry, or an incomplete one (a killed writer's files: resumed)
+DAMAGED = "damaged"  # committed, but damaged: its marker and damaged files were removed (resumed)
+STALE = "stale"  # built on upstream content that has changed since: removed whole, recomputed
+REFRESH = "refresh"  # the caller asked for it: removed whole, recomputed
+LACKING = "lacking"  # fresh, but without everything asked (`holds`): extended in place
+
+
+@dataclass(frozen=True)
+class Miss:
+    """Why `Store.get_or_compute` computed an entry, named for people in `reason`."""
+
+    kind: str  # ABSENT, DAMAGED, STALE, REFRESH or LACKING
+    reason: str
+    entry: Entry | None = None  # the committed entry found: replaced (STALE, REFRESH) or extended (LACKING)
+    stale: tuple[str, ...] = ()  # STALE: the upstream labels whose content has changed
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What `Store.get_or_compute` gives: the entry's record and content digest, and why it was computed
+    (`miss`; None when it was read from the store)."""
+
+    record: dict[str, Any]
+    content: str | None
+    miss: Miss | None = None
+
+    @property
+    def computed(self) -> bool:
+        """Whether this call computed the entry (rather than reading it)."""
+        return self.miss is not None
 
 
 def default_root() -> Path:
@@ -165,7 +203,7 @@ class Store:
         warnings.warn(f"{stage}/{key} is corrupt ({reasons}): removed, it counts as a miss and will be recomputed",
                       CorruptEntryWarning, stacklevel=2)
         self._discard(stage, key, damage, identity)
-        raise EntryMissing(stage, key, f"damaged, removed ({reasons})")
+        raise EntryMissing(stage, key, f"damaged, removed ({reasons})", damaged=True)
 
     def read_record(self, stage: str, key: str, *, verify: bool = True) -> dict[str, Any]:
         """The record committed for (stage, key): `read_entry(stage, key, verify=verify).record`.
@@ -352,29 +390,83 @@ class Store:
         stage: str,
         key: str,
         compute: Callable[[Path], dict[str, Any]],
+        *,
+        refresh: bool = False,
+        upstream: Callable[[], dict[str, str | None]] | None = None,
+        holds: Callable[[Entry], bool] | None = None,
+        extend: Callable[[Path, Entry], dict[str, Any]] | None = None,
+        on_miss: Callable[[Miss], None] | None = None,
+        skip: Sequence[str] = (),
         timeout: float | None = None,
-    ) -> dict[str, Any]:
-        """The record of (stage, key), running `compute(entry_dir) -> record` only on a miss.
+    ) -> Outcome:
+        """The entry (stage, key): read from the store when it is committed, undamaged and fresh, else
+        computed and committed; every stage gets its entries through this.
 
-        The usual pattern for a stage: try the store first; on a miss take the lock,
-        check again (another process may have committed while this one waited), then
-        `begin`, `compute` (which writes its files into the directory it is given) and
-        `commit`. If `compute` raises, nothing is committed and its partial files stay
-        for a resuming rerun. `timeout` bounds the wait for the lock (`LockTimeout`).
+        `compute(entry_dir) -> record` writes the stage's files into the entry directory. It runs under
+        the entry's lock, after a second look (another process may have committed while this one
+        waited): two processes that need an entry at once compute it once. Files an interrupted run
+        left in an uncommitted entry stay, so it can resume; if `compute` raises, nothing is committed.
+
+        - refresh: remove the entry whole and compute it again;
+        - upstream() gives the current content digests of what the entry is built from ({label:
+          digest}, storage.integrity): recorded at commit; an entry whose recorded ones differ is stale,
+          removed whole (nothing of it may be resumed) and computed again;
+        - holds(entry): whether a fresh entry holds everything asked; one that does not is extended in
+          place by `extend(entry_dir, entry) -> record` (its files kept). Given together;
+        - on_miss(miss) is called under the lock before anything is removed or computed (a caller logs
+          why, or reads the entry a refresh replaces);
+        - skip: top-level folders that carry their own digests (`commit`);
+        - timeout bounds the wait for the lock (`LockTimeout`).
         """
-        try:
-            return self.read_record(stage, key)
-        except EntryMissing:
-            pass
+        if (holds is None) != (extend is None):
+            raise TypeError("holds and extend go together: an entry that lacks something asked is extended")
+        found = None  # why the first look missed: a damaged entry reads as incomplete once it is removed
+        if not refresh:
+            try:
+                entry = self.read_entry(stage, key)
+            except EntryMissing as e:
+                found = e
+            else:
+                if _unfit(entry, upstream, holds) is None:
+                    return Outcome(entry.record, entry.content)
         with self.lock(stage, key, timeout=timeout):
             try:
-                return self.read_record(stage, key)
-            except EntryMissing:
-                pass
+                old = self.read_entry(stage, key)
+            except EntryMissing as e:
+                old, found = None, found or e
+            if refresh:
+                miss = Miss(REFRESH, "refresh asked", old)
+            elif old is None:
+                miss = Miss(DAMAGED if found.damaged else ABSENT, found.reason)
+            else:
+                miss = _unfit(old, upstream, holds)
+                if miss is None:  # committed by another process while this one waited for the lock
+                    return Outcome(old.record, old.content)
+            if on_miss is not None:
+                on_miss(miss)
+            if miss.kind in (REFRESH, STALE):
+                self.remove(stage, key)
             directory = self.begin(stage, key)
-            record = compute(directory)
-            self.commit(stage, key, record)
-            return record
+            record = extend(directory, old) if miss.kind == LACKING else compute(directory)
+            self.commit(stage, key, record, upstream=upstream() if upstream else None, skip=skip)
+            return Outcome(record, self.content(stage, key), miss)
+
+def changed_upstream(recorded: dict[str, str | None] | None, current: dict[str, str | None]) -> list[str]:
+    """The labels whose content differs between what an entry recorded and `current` (every label of
+    either). Nothing when the entry recorded no upstream (committed before digests were recorded)."""
+    if recorded is None:
+        return []
+    return sorted(label for label in set(recorded) | set(current) if recorded.get(label) != current.get(label))
+
+
+def _unfit(entry: Entry, upstream, holds) -> Miss | None:
+    # Why a committed, undamaged entry cannot be used as it is (None: it can).
+    changed = changed_upstream(entry.upstream, upstream()) if upstream else []
+    if changed:
+        return Miss(STALE, f"built on {', '.join(changed)}, whose content has changed since", entry, tuple(changed))
+    if holds is not None and not holds(entry):
+        return Miss(LACKING, "does not hold everything asked", entry)
+    return None
 
 
 def _parse_marker(raw: bytes, stage: str, key: str) -> tuple[str | None, Entry | None]:

@@ -16,6 +16,7 @@ from dflash_core.target import read_target_config
 from dflash_core.token_head import load_token_head
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, features_label, upstream_digests
+from dflash_eval.storage.schema import DIAGNOSTICS_FILE, DRAFTS_FILE, DiagnosticsRecord, Stage
 
 from .drafts import PROMPTS_PER_GROUP, Drafts, verify_checkpoint
 from .features import FeatureReader, FeatureSet
@@ -24,11 +25,11 @@ from .heavy import heavy
 from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .scores import Scores
-from .stage import cached, run_entry
+from .stage import cached, get_or_compute
 from .target import DTYPES, target_tokenizer
 from .threads import replay_threads
 
-STAGE = "diagnostics"
+STAGE = Stage.DIAGNOSTICS
 # Bump when what the diagnostics compute changes (part of the key).
 DIAGNOSTICS_VERSION = 1
 EXAMPLES = 8  # first-divergence examples kept
@@ -87,7 +88,7 @@ def diagnose(
         items = load_references(refs)
         # the unmodified decode steps are the drafts stage's: not replayed again
         unmodified = [ReplayResult(d["starts"], d["acceptance_lengths"], d["rejected_drafts"])
-                      for d in read_json(Path(drafts.path) / "drafts.json")["per_prompt"]]
+                      for d in read_json(Path(drafts.path) / DRAFTS_FILE)["per_prompt"]]
         feature_reader = FeatureReader(features, refs, target_dir, store_root, dtype, device)
         needed = layers_needed(ids, num_layers)
         results: dict[str, list[ReplayResult]] = {v.name: [] for v in variants}
@@ -132,16 +133,16 @@ def diagnose(
                 "from": semantics, "to": switched.sliding_semantics, "tau_macro": tau(switched_results)},
             "first_divergence": examples[:EXAMPLES],
         }
-        write_json_atomic(entry / "diagnostics.json", report, indent=1)
-        return {"drafts": drafts.key, "scores": scores.key}
+        write_json_atomic(entry / DIAGNOSTICS_FILE, report, indent=1)
+        return DiagnosticsRecord(drafts=drafts.key, scores=scores.key).to_record()
 
     # what it is built from; the layers it reads are layers_needed of the drafter's ids, as in compute
     ids = read_drafter_config(checkpoint.path, tokenizer=target_tokenizer(target_dir)).target_layer_ids
     needed = layers_needed(ids, read_target_config(target_dir).num_layers)
-    labels = [entry_label("drafts", drafts.key), entry_label("scores", scores.key),
-              entry_label("fetch", checkpoint.key), entry_label("references", refs.key),
+    labels = [entry_label(Stage.DRAFTS, drafts.key), entry_label(Stage.SCORES, scores.key),
+              entry_label(Stage.FETCH, checkpoint.key), entry_label(Stage.REFERENCES, refs.key),
               features_label(features.key, needed, features.n)]
-    _, computed = run_entry(store, STAGE, key, heavy(compute), refresh,
-                            upstream=lambda: upstream_digests(store, labels))
-    diagnostics = Diagnostics(key=key, path=str(store.entry(STAGE, key) / "diagnostics.json"))
-    return diagnostics if computed else cached(diagnostics)
+    outcome = get_or_compute(store, STAGE, key, heavy(compute), refresh=refresh,
+                             upstream=lambda: upstream_digests(store, labels))
+    diagnostics = Diagnostics(key=key, path=str(store.entry(STAGE, key) / DIAGNOSTICS_FILE))
+    return diagnostics if outcome.computed else cached(diagnostics)

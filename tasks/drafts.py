@@ -18,17 +18,18 @@ from dflash_core.replay import replay
 from dflash_core.token_head import load_token_head
 from dflash_eval.storage import EntryMissing, Store, key_of, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, features_label, upstream_digests
+from dflash_eval.storage.schema import DRAFTS_FILE, DraftsRecord, Stage
 
 from .features import FeatureReader, FeatureSet
 from .fetch import Checkpoint
 from .heavy import heavy
 from .progress import StageProgress
 from .references import ReferenceSet, load_references
-from .stage import cached, run_entry
+from .stage import cached, get_or_compute
 from .target import DTYPES, target_tokenizer
 from .threads import replay_threads
 
-STAGE = "drafts"
+STAGE = Stage.DRAFTS
 # Bump when replay changes what it records (part of the key).
 REPLAY_VERSION = 1
 PROMPTS_PER_GROUP = 64
@@ -89,21 +90,23 @@ def draft(
                 results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats,
                                   all_positions=all_positions)
                 progress.update(len(results))
-        write_json_atomic(entry / "drafts.json", {"per_prompt": [
+        write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": [
             {"id": i.id, "starts": r.starts, "acceptance_lengths": r.acceptance_lengths,
              "rejected_drafts": r.rejected_drafts, "all_positions": r.all_positions}
             for i, r in zip(items, results)
         ]})
-        return {"checkpoint": checkpoint.key, "features": features.key, "block_size": drafter.block_size,
-                "sliding_semantics": sliding_semantics, "layer_ids": list(drafter.target_layer_ids)}
+        return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=drafter.block_size,
+                            sliding_semantics=sliding_semantics,
+                            layer_ids=tuple(drafter.target_layer_ids)).to_record()
 
-    labels = [entry_label("fetch", checkpoint.key), entry_label("references", refs.key),
+    labels = [entry_label(Stage.FETCH, checkpoint.key), entry_label(Stage.REFERENCES, refs.key),
               features_label(features.key, config.target_layer_ids, features.n)]
-    record, computed = run_entry(store, STAGE, key, heavy(compute), refresh,
-                                 upstream=lambda: upstream_digests(store, labels))
-    drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record["block_size"],
-                    sliding_semantics=record["sliding_semantics"])
-    return drafts if computed else cached(drafts)
+    outcome = get_or_compute(store, STAGE, key, heavy(compute), refresh=refresh,
+                             upstream=lambda: upstream_digests(store, labels))
+    record = DraftsRecord.from_record(outcome.record)
+    drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record.block_size,
+                    sliding_semantics=record.sliding_semantics)
+    return drafts if outcome.computed else cached(drafts)
 
 
 class CheckpointDamaged(RuntimeError):
@@ -116,7 +119,7 @@ def verify_checkpoint(store: Store, checkpoint: Checkpoint) -> None:
     damaged entry is removed (with a warning naming it) and CheckpointDamaged raised: this run cannot
     fetch it, the next one does."""
     try:
-        store.read_entry("fetch", checkpoint.key, full=not checkpoint.fetched_by_this_run)
+        store.read_entry(Stage.FETCH, checkpoint.key, full=not checkpoint.fetched_by_this_run)
     except EntryMissing as e:
         raise CheckpointDamaged(f"the drafter checkpoint fetch/{checkpoint.key} ({checkpoint.source}) cannot be "
                                 f"used: {e.reason}; run again to fetch it again") from None

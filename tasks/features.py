@@ -13,24 +13,27 @@ with another content make it stale, and it is extracted again.
 """
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.features import extract_features, length_sorted_batches
-from dflash_eval.storage import EntryMissing, Store, key_of
+from dflash_eval.storage import Store, key_of
 from dflash_eval.storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
 from dflash_eval.storage.integrity import entry_label, upstream_digests
+from dflash_eval.storage.schema import FeaturesRecord, Stage
+from dflash_eval.storage.store import Entry
 
 from .heavy import heavy_stage
 from .progress import StageProgress, stage_logger
 from .references import ReferenceSet, load_references
-from .stage import cached, report_refresh, stale_labels, warn_stale
+from .stage import cached, get_or_compute
 from .target import loaded_target, target_key
 from .threads import compute_threads, parameter_count
 
-STAGE = "features"
+STAGE = Stage.FEATURES
 # Bump when extraction changes what it stores (part of the key).
 EXTRACTOR_VERSION = 1
 BATCH_SIZE = 8
@@ -69,24 +72,11 @@ def extract_target_features(
     entry = store.entry(STAGE, key)
     features = FeatureSet(key=key, path=str(entry), layer_ids=tuple(layer_ids), n=refs.n)
     feature_store = FeatureStore.in_entry(entry)
-    upstream = upstream_digests(store, [entry_label("references", refs.key)])
-    if not refresh and _fresh(store, key, upstream) and not feature_store.missing(layer_ids, refs.n):
-        return cached(features)
+    labels = [entry_label(Stage.REFERENCES, refs.key)]
 
-    with store.lock(STAGE, key):
-        try:
-            old = store.read_entry(STAGE, key)
-        except EntryMissing:
-            old = None
-        stale = stale_labels(old, upstream) if old is not None else []
-        if stale:  # extracted from references that have another content now: nothing of it is kept
-            warn_stale(STAGE, key, stale)
-        compared = [i for i in layer_ids if old is not None and i in old.record["layer_ids"]]
-        old_digest = _digest(feature_store, compared, refs.n) if refresh and compared else None
-        if refresh or stale:
-            store.remove(STAGE, key)
-        held = old.record["layer_ids"] if old is not None and not (refresh or stale) else []
-        store.begin(STAGE, key)
+    def extract(directory: Path, kept: Entry | None = None) -> dict:
+        # kept: the committed entry, extended with the arrays it lacks; else a new (or resumed) one
+        held = FeaturesRecord.from_record(kept.record).layer_ids if kept is not None else ()
         missing = feature_store.missing(layer_ids, refs.n)
         lost = [(layer, n) for layer, n in missing if layer in held]  # the committed entry said it held them
         if lost:
@@ -97,20 +87,19 @@ def extract_target_features(
         if missing:
             with heavy_stage():
                 _extract(target_dir, refs, missing, feature_store, dtype, device)
-        store.commit(STAGE, key, {
-            "layer_ids": sorted(set(held) | set(layer_ids)), "n": refs.n, "references": refs.key, "dtype": dtype,
-        }, upstream=upstream, skip=(FEATURES_DIRNAME,))
-        if old_digest is not None:
-            report_refresh(STAGE, key, old_digest, _digest(feature_store, compared, refs.n))
-    return features if missing else cached(features)
+        return FeaturesRecord(layer_ids=tuple(sorted(set(held) | set(layer_ids))), n=refs.n, references=refs.key,
+                              dtype=dtype).to_record()
 
+    def layers_digest(replaced: Entry) -> str | None:
+        # what a refresh must reproduce: the asked layers that the replaced entry held, not the whole entry
+        compared = [i for i in layer_ids if i in FeaturesRecord.from_record(replaced.record).layer_ids]
+        return _digest(feature_store, compared, refs.n) if compared else None
 
-def _fresh(store: Store, key: str, upstream: dict) -> bool:
-    """Whether the features entry is committed, undamaged and built on the references' current content."""
-    try:
-        return not stale_labels(store.read_entry(STAGE, key), upstream)
-    except EntryMissing:
-        return False
+    outcome = get_or_compute(store, STAGE, key, extract, refresh=refresh,
+                             upstream=lambda: upstream_digests(store, labels),
+                             holds=lambda _: not feature_store.missing(layer_ids, refs.n), extend=extract,
+                             skip=(FEATURES_DIRNAME,), compared=layers_digest)
+    return features if outcome.computed else cached(features)
 
 
 def _digest(feature_store: FeatureStore, layer_ids, n: int) -> str | None:

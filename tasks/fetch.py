@@ -1,7 +1,7 @@
 """Fetch stage: bring a drafter checkpoint into the store, verified, keyed by its files' digests.
 
 Sources: a local folder (or `file://` URL), or a relay URL `http(s)://relay:port/<path>` (see
-storage/relay_server.py). Only the files the drafter needs travel (`dflash_eval.storage.checkpoint`: config,
+storage/relay/server.py). Only the files the drafter needs travel (`dflash_core.checkpoint_files`: config,
 weights, trainer_state.json, plus `include` patterns): optimizer, scheduler, RNG and per-rank state
 are never read, hashed, sent or stored. Both sources give the same key for the same files, so a
 checkpoint fetched once is never downloaded or copied again, whichever way it is named (a SpecForge
@@ -10,7 +10,7 @@ checkpoint fetched once is never downloaded or copied again, whichever way it is
 A checkpoint the trainer is still writing is waited for, bounded by `wait_seconds`: a folder is
 ready once none of its files changed for `settle_seconds` and its weights are whole, a relay says
 409 until then. Where the checkpoint has no config.json, the drafter config comes from the run
-folder (the relay and `dflash_eval.storage.checkpoint` find it) or from `drafter_config`; the record says which.
+folder (the relay and `dflash_core.checkpoint_files` find it) or from `drafter_config`; the record says which.
 
 The store holds every checkpoint in the published format (config.json + model.safetensors or
 shards): a SpecForge `training_state.pt` is read without executing it, its drafter weights are
@@ -28,13 +28,11 @@ from urllib.parse import unquote, urlsplit
 from prefect import task
 from prefect.cache_policies import NONE
 
-from dflash_core.drafter import DrafterConfig, DrafterError
-from dflash_core.drafter_weights import check_drafter_weights, export_drafter_weights
-from dflash_eval.storage import Store, file_sha256, key_of
-from dflash_eval.storage.checkpoint import (
+from dflash_core.checkpoint_files import (
     CONFIG,
+    SINGLE_FILE,
     TRAINING_STATE,
-    WEIGHTS,
+    WEIGHT_FILE_NAMES,
     CheckpointBroken,
     CheckpointFiles,
     NotACheckpoint,
@@ -43,12 +41,17 @@ from dflash_eval.storage.checkpoint import (
     step_from_name,
     training_step,
 )
+from dflash_core.drafter import DrafterConfig, DrafterError
+from dflash_core.drafter_weights import check_drafter_weights, export_drafter_weights
+from dflash_eval.storage import Store, file_sha256, key_of
 from dflash_eval.storage.relay.client import RelayClient, RelayError, parse_checkpoint_url
+from dflash_eval.storage.schema import FetchRecord, Stage
+from dflash_eval.storage.tokens import TokenFileError, read_token_file
 
 from .progress import StageProgress, stage_logger
-from .stage import cached, refusals_fail_cleanly, run_entry
+from .stage import cached, get_or_compute, refusals_fail_cleanly
 
-STAGE = "fetch"
+STAGE = Stage.FETCH
 CHECKPOINT_DIRNAME = "checkpoint"
 RELAY_TOKEN_ENV = "DFLASH_RELAY_TOKEN"
 SETTLE_ENV = "DFLASH_SETTLE_SECONDS"
@@ -69,8 +72,8 @@ class Checkpoint:
     key: str  # content key: digest of the files fetched
     path: str  # the checkpoint folder inside the store entry
     source: str  # where it was fetched from
-    step: int | None  # training step (storage.checkpoint.training_step, as the relay reads it)
-    layout: str = "hf"  # how the trainer saved it: "hf" or "specforge" (storage.checkpoint)
+    step: int | None  # training step (checkpoint_files.training_step, as the relay reads it)
+    layout: str = "hf"  # how the trainer saved it: "hf" or "specforge" (checkpoint_files)
     config_source: str = "checkpoint"  # "checkpoint", "run folder" or "--drafter-config <file>"
     fetched_by_this_run: bool = False  # its files were hashed at commit, moments ago (not a cache hit)
 
@@ -99,7 +102,7 @@ def local_path(source: str) -> Path:
 
 
 def source_step(source: str) -> int | None:
-    """The training step of a checkpoint source, before it is fetched (storage.checkpoint)."""
+    """The training step of a checkpoint source, before it is fetched (checkpoint_files.training_step)."""
     if is_relay_url(source):
         return step_from_name(urlsplit(source).path)
     return training_step(local_path(source).resolve())
@@ -107,9 +110,12 @@ def source_step(source: str) -> int | None:
 
 def relay_token(token_file: str | None) -> str | None:
     """The relay's bearer token: from token_file, else $DFLASH_RELAY_TOKEN (never a flow parameter,
-    which the Prefect UI would show)."""
+    which the Prefect UI would show). A token file that cannot be read or is empty raises CheckpointError."""
     if token_file:
-        return Path(token_file).read_text().strip() or None
+        try:
+            return read_token_file(token_file, "--relay-token-file")
+        except TokenFileError as e:
+            raise CheckpointError(str(e)) from None
     return os.environ.get(RELAY_TOKEN_ENV) or None
 
 
@@ -158,8 +164,7 @@ def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...]
         raise CheckpointError(f"drafter checkpoint {source} is broken: {e}; the save did not complete") from None
     except NotACheckpoint:  # settled, and still no weights: a run folder, a typo
         inner = sorted(p.name for p in directory.iterdir() if p.is_dir() and checkpoint_files(p))
-        raise CheckpointError(f"drafter checkpoint {source} holds no drafter weights ({WEIGHTS}, its index, or "
-                              f"SpecForge's {TRAINING_STATE})"
+        raise CheckpointError(f"drafter checkpoint {source} holds no drafter weights ({WEIGHT_FILE_NAMES})"
                               + (f"; its sub-folders {inner[:4]} do: pass one of them" if inner else "")) from None
     if pending is not None:
         raise _NotYet(pending)
@@ -301,23 +306,23 @@ def fetch_checkpoint(
             shutil.copyfile(drafter_config, destination / CONFIG)
             if file_sha256(destination / CONFIG) != files[CONFIG]:
                 raise CheckpointError(f"--drafter-config {drafter_config} changed while this run used it; run again")
-        record = {"files": files, "source": source if ready.client else str(ready.local.directory),
-                  "step": ready.step, "layout": ready.layout, "config_source": config_source}
         try:
-            if ready.layout == "specforge":
-                record["weights_from"] = _export_payload(destination)
+            weights_from = _export_payload(destination) if ready.layout == "specforge" else None
             check_drafter_weights(destination)
         except (CheckpointError, DrafterError) as e:
             shutil.rmtree(entry)  # verified bytes of a bad checkpoint: nothing of it stays in the store
             where = str(e).replace(f"{destination}/", "").replace(f"{destination}: ", "")  # not the store's path
             raise CheckpointError(f"drafter {source}: {where}") from None
-        return record
+        return FetchRecord(files=files, source=source if ready.client else str(ready.local.directory),
+                           step=ready.step, layout=ready.layout, config_source=config_source,
+                           weights_from=weights_from).to_record()
 
-    record, computed = run_entry(store, STAGE, key, compute, refresh)
+    outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
+    record = FetchRecord.from_record(outcome.record)
     checkpoint = Checkpoint(key=key, path=str(store.entry(STAGE, key) / CHECKPOINT_DIRNAME), source=source,
-                            step=record["step"], layout=record.get("layout", "hf"),
-                            config_source=record.get("config_source", "checkpoint"), fetched_by_this_run=computed)
-    return checkpoint if computed else cached(checkpoint)
+                            step=record.step, layout=record.layout, config_source=record.config_source,
+                            fetched_by_this_run=outcome.computed)
+    return checkpoint if outcome.computed else cached(checkpoint)
 
 
 def _export_payload(destination: Path) -> str:
@@ -327,7 +332,7 @@ def _export_payload(destination: Path) -> str:
     try:
         # the mask token shapes no weight: a placeholder id spares resolving a string one without the target
         config = DrafterConfig.from_dict(raw, str(destination / CONFIG), mask_token_id=0)
-        where = export_drafter_weights(destination / TRAINING_STATE, config, destination / WEIGHTS)
+        where = export_drafter_weights(destination / TRAINING_STATE, config, destination / SINGLE_FILE)
     except DrafterError as e:
         raise CheckpointError(f"{TRAINING_STATE}: {e}") from None
     os.unlink(destination / TRAINING_STATE)

@@ -80,7 +80,7 @@ def heavy_stage():
 
 
 def heavy(compute):
-    """`compute` (a stage's run_entry function), run while holding a heavy-stage slot."""
+    """`compute` (a stage's get_or_compute function), run while holding a heavy-stage slot."""
     def run(entry):
         with heavy_stage():
             return compute(entry)

@@ -28,13 +28,14 @@ from dflash_core.reference.backends import (TOKENIZER_LOCK, BackendError, LocalB
 from dflash_core.replay import Reference
 from dflash_core.target import read_target_config
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
+from dflash_eval.storage.schema import ReferencesRecord, Stage
 
 from .progress import StageProgress, stage_logger
-from .stage import cached, run_entry
+from .stage import cached, get_or_compute
 from .target import loaded_target, target_key
 from .threads import compute_threads, parameter_count
 
-STAGE = "references"
+STAGE = Stage.REFERENCES
 FINGERPRINT_FILE = "fingerprint.json"  # the server's fingerprint when the entry was begun
 
 
@@ -237,13 +238,15 @@ def generate_references(
         n_items = sum(max(1, len(p.turns)) for p in prompts)
         unverified = sum(not t["verified"] for n in range(len(prompts))
                          for t in read_json(entry / f"seq_{n}.json")["turns"])
-        return {"n_prompts": len(prompts), "n": n_items, "prompts": str(prompts_source), "target": str(target_dir),
-                "backend": backend.identity,
-                "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids, "lookahead": lookahead,
-                "unverified": unverified,
-                **({"backend_fingerprint": key_of(fingerprint)} if fingerprint is not None else {})}
+        return ReferencesRecord(
+            n_prompts=len(prompts), n=n_items, prompts=str(prompts_source), target=str(target_dir),
+            backend=backend.identity, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
+            lookahead=lookahead, unverified=unverified,
+            backend_fingerprint=None if fingerprint is None else key_of(fingerprint),
+        ).to_record()
 
-    record, computed = run_entry(store, STAGE, key, compute, refresh)
-    refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record["n_prompts"], n=record["n"],
-                        lookahead=record["lookahead"])
-    return refs if computed else cached(refs)
+    outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
+    record = ReferencesRecord.from_record(outcome.record)
+    refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record.n_prompts, n=record.n,
+                        lookahead=record.lookahead)
+    return refs if outcome.computed else cached(refs)

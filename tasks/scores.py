@@ -9,12 +9,13 @@ from prefect.cache_policies import NONE
 from dflash_core.metrics import PromptScore, all_positions_tau, summarize
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, upstream_digests
+from dflash_eval.storage.schema import DRAFTS_FILE, SCORES_FILE, ScoresRecord, Stage
 
 from .drafts import Drafts
 from .references import ReferenceSet, load_references
-from .stage import cached, run_entry
+from .stage import cached, get_or_compute
 
-STAGE = "scores"
+STAGE = Stage.SCORES
 # Bump when the metrics change (part of the key).
 SCORES_VERSION = 2
 
@@ -36,7 +37,7 @@ def score(drafts: Drafts, refs: ReferenceSet, store_root: str, refresh: bool = F
     key = key_of({"drafts": drafts.key, "scores": SCORES_VERSION})
 
     def compute(entry: Path) -> dict:
-        per_prompt = read_json(Path(drafts.path) / "drafts.json")["per_prompt"]
+        per_prompt = read_json(Path(drafts.path) / DRAFTS_FILE)["per_prompt"]
         items = load_references(refs)
         prompts = [
             PromptScore(item.id, item.category, d["acceptance_lengths"], d["starts"], len(item.reference.token_ids))
@@ -48,12 +49,15 @@ def score(drafts: Drafts, refs: ReferenceSet, store_root: str, refresh: bool = F
         summary["sliding_semantics"] = drafts.sliding_semantics
         # references a server gave only as text whose re-tokenisation did not round-trip
         summary["unverified_references"] = [item.id for item in items if not item.verified]
-        write_json_atomic(entry / "scores.json", summary, indent=1)
-        return {"tau_macro": summary["tau_macro"], "tau_pooled": summary["tau_pooled"], "drafts": drafts.key}
+        write_json_atomic(entry / SCORES_FILE, summary, indent=1)
+        return ScoresRecord(tau_macro=summary["tau_macro"], tau_pooled=summary["tau_pooled"],
+                            drafts=drafts.key).to_record()
 
     # recomputed when the drafts (or references) it summarizes were recomputed with another content
-    labels = [entry_label("drafts", drafts.key), entry_label("references", refs.key)]
-    record, computed = run_entry(store, STAGE, key, compute, refresh, upstream=lambda: upstream_digests(store, labels))
-    scores = Scores(key=key, path=str(store.entry(STAGE, key) / "scores.json"),
-                    tau_macro=record["tau_macro"], tau_pooled=record["tau_pooled"])
-    return scores if computed else cached(scores)
+    labels = [entry_label(Stage.DRAFTS, drafts.key), entry_label(Stage.REFERENCES, refs.key)]
+    outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh,
+                             upstream=lambda: upstream_digests(store, labels))
+    record = ScoresRecord.from_record(outcome.record)
+    scores = Scores(key=key, path=str(store.entry(STAGE, key) / SCORES_FILE), tau_macro=record.tau_macro,
+                    tau_pooled=record.tau_pooled)
+    return scores if outcome.computed else cached(scores)

@@ -3,25 +3,27 @@
 Why not Prefect's own result cache (notes/prefect.md): it never checks that what a cached result
 points to still exists, so a deleted store entry would come back as a dangling record; its default
 policy never reuses results across flow runs; and its lock files outlive a killed run. Here each task
-asks the store instead. A complete entry is returned at once as a `Completed` state named `Cached`
+asks the store instead, through its one get-or-compute (`Store.get_or_compute`, logged here by
+`get_or_compute`). A complete entry is returned at once as a `Completed` state named `Cached`
 (what the Prefect UI shows for a cache hit); a missing or incomplete one is computed under the
 store's lock, so two runs that need it at once compute it once and the second one reuses it.
 
 A hit is verified (storage.store: its records' digests) and must be fresh: each entry records the
 content digests of the entries it was built from (`upstream`, storage.integrity), and one built on
 content that has changed since (a refresh that did not reproduce its output) is recomputed, with a
-warning naming what changed. A refresh says whether it reproduced the content it replaced.
+warning naming what changed. Every miss is logged with its reason before the computation starts, and
+a refresh says whether it reproduced the content it replaced.
 """
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from prefect.states import Completed, Failed, State
 
-from dflash_eval.storage import EntryMissing, Store
-from dflash_eval.storage.integrity import changed_upstream
+from dflash_eval.storage import Miss, Outcome, Store
+from dflash_eval.storage.store import ABSENT, DAMAGED, LACKING, REFRESH, STALE, Entry
 
 from .progress import stage_logger
 
@@ -31,14 +33,19 @@ def cached(record: Any) -> State:
     return Completed(data=record, name="Cached", message="complete in the store: not recomputed")
 
 
-def stale_labels(entry, upstream: dict | None) -> list[str]:
-    """What `entry` was built from that has another content now (`upstream`: the current digests)."""
-    return [] if upstream is None else changed_upstream(entry.upstream, upstream)
-
-
-def warn_stale(stage: str, key: str, changed: list[str]) -> None:
-    stage_logger().warning(f"{stage}/{key} is stale: built on {', '.join(changed)}, whose content has changed "
-                           "since; recomputing it")
+def log_miss(stage: str, key: str, miss: Miss) -> None:
+    """Log why (stage, key) is computed, before the computation starts (a refresh is reported after it,
+    `report_refresh`)."""
+    logger = stage_logger()
+    if miss.kind == STALE:
+        logger.warning(f"{stage}/{key} is stale: built on {', '.join(miss.stale)}, whose content has changed "
+                       "since; recomputing it")
+    elif miss.kind == DAMAGED:
+        logger.warning(f"{stage}/{key} is {miss.reason}: computing it again")
+    elif miss.kind == ABSENT:
+        logger.info(f"{stage}/{key} is {miss.reason}: computing it")
+    elif miss.kind == LACKING:
+        logger.info(f"{stage}/{key} {miss.reason}: extending it")
 
 
 def report_refresh(stage: str, key: str, old_content: str | None, new_content: str | None) -> None:
@@ -55,43 +62,31 @@ def report_refresh(stage: str, key: str, old_content: str | None, new_content: s
                        "built on it are stale and will be recomputed when next used")
 
 
-def run_entry(
-    store: Store, stage: str, key: str, compute: Callable[[Path], dict], refresh: bool = False,
+def get_or_compute(
+    store: Store, stage: str, key: str, compute: Callable[[Path], dict], *, refresh: bool = False,
     upstream: Callable[[], dict[str, str | None]] | None = None,
-) -> tuple[dict, bool]:
-    """(record, computed) of entry (stage, key): read from the store, or computed and committed.
+    holds: Callable[[Entry], bool] | None = None, extend: Callable[[Path, Entry], dict] | None = None,
+    skip: Sequence[str] = (), compared: Callable[[Entry], str | None] | None = None,
+) -> Outcome:
+    """`Store.get_or_compute` (its arguments but `on_miss` and `timeout`: a task waits for the lock as long
+    as another run computes), with every miss logged (`log_miss`) and a refresh reported (`report_refresh`).
 
-    compute(entry_dir) writes the stage's files into entry_dir and returns the record. It runs under
-    the entry's lock; files a killed earlier run left behind stay, so it can resume. refresh=True
-    deletes the entry first and recomputes it. upstream() gives the current content digests of what
-    the entry is built from ({label: digest}, storage.integrity): recorded at commit, and an entry
-    whose recorded ones differ is stale and recomputed.
+    compared(entry): the digest a refresh compares, of the entry it replaces: read before that entry is
+    removed and again once it is recomputed (default: the entry's content digest; the features stage
+    compares the digest of the layers the replaced entry held).
     """
-    if not refresh:
-        try:
-            entry = store.read_entry(stage, key)
-            if not stale_labels(entry, upstream() if upstream else None):
-                return entry.record, False
-        except EntryMissing:
-            pass
-    with store.lock(stage, key):
-        try:
-            old = store.read_entry(stage, key)
-        except EntryMissing:
-            old = None
-        if old is not None and not refresh:
-            changed = stale_labels(old, upstream() if upstream else None)
-            if not changed:  # another run committed it while this one waited for the lock
-                return old.record, False
-            warn_stale(stage, key, changed)
-        if refresh or old is not None:  # a stale entry goes whole: nothing of it may be resumed
-            store.remove(stage, key)
-        directory = store.begin(stage, key)
-        record = compute(directory)
-        store.commit(stage, key, record, upstream=upstream() if upstream else None)
-        if refresh and old is not None:
-            report_refresh(stage, key, old.content, store.content(stage, key))
-        return record, True
+    replaced = []  # the digest of what a refresh replaces, taken before it is removed
+
+    def on_miss(miss: Miss) -> None:
+        log_miss(stage, key, miss)
+        if miss.kind == REFRESH and miss.entry is not None:
+            replaced.append(compared(miss.entry) if compared else miss.entry.content)
+
+    outcome = store.get_or_compute(stage, key, compute, refresh=refresh, upstream=upstream, holds=holds,
+                                   extend=extend, on_miss=on_miss, skip=skip)
+    if replaced:
+        report_refresh(stage, key, replaced[0], compared(outcome.miss.entry) if compared else outcome.content)
+    return outcome
 
 
 def refusals_fail_cleanly(*refusals: type[Exception]):

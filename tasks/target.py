@@ -3,16 +3,15 @@
 from dataclasses import dataclass
 from functools import lru_cache
 
-import torch
 from transformers import AutoTokenizer
 
-from dflash_core.target import Target, checkpoint_dtype, load_target
+from dflash_core.choices import AUTO_DTYPE, STAGE_DTYPE_NAMES
+from dflash_core.target import DTYPES as TARGET_DTYPES, Target, checkpoint_dtype, load_target
 from dflash_eval.storage import Store, directory_digest
 
-# What the stages compute in, by the name their store keys hold. float16 is not one of them: hidden
-# states of large targets overflow in fp16 (DESIGN.md).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-AUTO = "auto"  # the target checkpoint's own dtype
+# What the stages compute in (dflash_core.choices: float16 is not one of them), by the name their store keys hold.
+DTYPES = {name: TARGET_DTYPES[name] for name in STAGE_DTYPE_NAMES}
+AUTO = AUTO_DTYPE  # the target checkpoint's own dtype
 DTYPE_CHOICES = (AUTO, *DTYPES)
 
 

@@ -1,5 +1,12 @@
-"""Session-wide fixtures: tiny target checkpoints, the trained tiny runs, one Prefect test server."""
+"""Shared fixtures: the tiny target's corpus and tokenizer, tiny target checkpoints, the trained tiny runs
+(and a short-prompt view of the Qwen3 one), one Prefect test server. Plain builders live in tests/tiny_models.py.
 
+`slow` (pyproject's marker): a test that trains a model, starts a server or a process, or sleeps or waits on
+purpose is marked `@pytest.mark.slow` unless it takes well under a second; `pytest -m "not slow"` is the fast
+lane and stays under 2 minutes on 2 cores. Every slow test still runs in CI.
+"""
+
+import copy
 import os
 import tempfile
 
@@ -18,6 +25,7 @@ os.environ["DFLASH_SETTLE_SECONDS"] = "0"
 os.environ["TERMINAL_WIDTH"] = "1000"
 
 from tests import tiny_models
+from tests.tiny_models import first_prompts
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +38,24 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """(text, sha256) of the tiny target's corpus, cut to `tiny_models.CORPUS_BYTES` of standard library
+    documents (a few seconds the first time: the standard library is parsed once per process)."""
+    from dflash_core.tiny import target as tiny_target
+
+    return tiny_target.build_corpus(max_bytes=tiny_models.CORPUS_BYTES)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(corpus):
+    """The tiny target's tokenizer trained on `corpus`: a 512-token byte-level BPE with ChatML and DFlash
+    special tokens and a ChatML chat template. Shared: copy it (`copy.deepcopy`) before changing it."""
+    from dflash_core.tiny import target as tiny_target
+
+    return tiny_target.train_tokenizer(corpus[0])
 
 
 @pytest.fixture(scope="session")
@@ -71,6 +97,16 @@ def tiny_qwen3_run():
     from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
 
     return tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_qwen3_run, tmp_path_factory):
+    """The tiny Qwen3 run with `.prompts`, a file of its first `tiny_models.SHORT_PROMPTS` held-out prompts
+    (a new file per module; the session's run itself stays as it is)."""
+    prompts = first_prompts(tiny_qwen3_run, tiny_models.SHORT_PROMPTS, tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+    tiny = copy.copy(tiny_qwen3_run)
+    tiny.prompts = prompts
+    return tiny
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import shutil
 import signal
 import sys
 
-import dflash_eval.storage.records
+from dflash_eval import storage
 from dflash_eval.storage.feature_store import FeatureStore
 
 when, _, limit = sys.argv[1].partition(":")

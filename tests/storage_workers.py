@@ -48,6 +48,22 @@ def compute_slowly(root, stage, key, started_path, seconds):
     Store(root).get_or_compute(stage, key, compute)
 
 
+def compute_at_once(root, stage, key, barrier, log_path, result_path):
+    """get_or_compute started with others at a barrier: a computation appends its pid to `log_path`; the
+    outcome (record, computed) goes to `result_path`."""
+    from dflash_eval.storage import Store
+
+    def compute(entry_dir: Path) -> dict:
+        with open(log_path, "a") as log:
+            log.write(f"{os.getpid()}\n")
+        time.sleep(0.5)  # the others reach the lock meanwhile
+        return {"pid": os.getpid()}
+
+    barrier.wait(timeout=60)
+    outcome = Store(root).get_or_compute(stage, key, compute, timeout=60)
+    Path(result_path).write_text(json.dumps({"record": outcome.record, "computed": outcome.computed}))
+
+
 def hold_lock(root, stage, key, ready_path, seconds):
     """Take the entry lock, announce it, and hold it for `seconds` (the test kills us first)."""
     from dflash_eval.storage import Store

@@ -1,5 +1,5 @@
-"""What a checkpoint folder holds (storage.checkpoint): the files evaluation takes from each layout,
-whether it is finished, its training step."""
+"""What a checkpoint folder holds (dflash_core.checkpoint_files): its safetensors files and index, the
+files evaluation takes from each layout, whether it is finished, its training step."""
 
 import json
 import os
@@ -7,16 +7,70 @@ import os
 import pytest
 import torch
 
-from dflash_eval.storage.checkpoint import (
-    INDEX,
+from dflash_core.checkpoint_files import (
+    INDEX_FILE,
+    SINGLE_FILE,
     CheckpointBroken,
+    WeightFilesError,
     checkpoint_files,
+    has_safetensors,
     not_ready,
     step_from_name,
+    tensor_files,
     training_step,
     weight_file_problem,
+    weight_files,
+    weight_map,
 )
 from tests.checkpoints import settle, write_checkpoint
+
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def test_a_single_file_lists_its_tensors_from_its_header(tmp_path):
+    folder = write_checkpoint(tmp_path / "single", {SINGLE_FILE: 200})
+    assert has_safetensors(folder) and weight_map(folder) is None
+    assert weight_files(folder) == [folder / SINGLE_FILE]
+    assert tensor_files(folder) == {"w": folder / SINGLE_FILE}  # tests.checkpoints writes one tensor "w"
+
+
+def test_an_index_names_the_shards_that_hold_each_tensor(tmp_path):
+    folder = write_checkpoint(tmp_path / "sharded", {name: 200 for name in SHARDS})
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": {"a": SHARDS[1], "b": SHARDS[0],
+                                                                                "c": SHARDS[1]}}))
+    assert weight_map(folder) == {"a": SHARDS[1], "b": SHARDS[0], "c": SHARDS[1]}
+    assert weight_files(folder) == [folder / SHARDS[0], folder / SHARDS[1]]  # each once, in order
+    assert tensor_files(folder) == {"a": folder / SHARDS[1], "b": folder / SHARDS[0], "c": folder / SHARDS[1]}
+
+
+@pytest.mark.parametrize("index, problem", [
+    ("{not json", "not a safetensors index"),
+    ('{"metadata": {}}', "not a safetensors index"),
+    ('{"weight_map": ["a"]}', "weight_map is not an object"),
+    ('{"weight_map": {"a": 3}}', "not a file name beside the index"),
+    ('{"weight_map": {"a": "../elsewhere/model.safetensors"}}', "not a file name beside the index"),
+    ('{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}',
+     r"names shard files that are not there: \['model-00002-of-00002.safetensors'\]"),
+])
+def test_a_malformed_index_or_missing_shards_are_one_clear_error(tmp_path, index, problem):
+    folder = write_checkpoint(tmp_path / "bad", {SHARDS[0]: 200})
+    (folder / INDEX_FILE).write_text(index)
+    with pytest.raises(WeightFilesError, match=problem):
+        tensor_files(folder)
+
+
+def test_a_folder_without_weights_says_which_files_it_lacks(tmp_path):
+    with pytest.raises(WeightFilesError, match="does not exist"):
+        weight_files(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    assert not has_safetensors(tmp_path / "empty")
+    with pytest.raises(WeightFilesError, match=f"no {SINGLE_FILE} or {INDEX_FILE}"):
+        weight_files(tmp_path / "empty")
+    folder = tmp_path / "not_safetensors"
+    folder.mkdir()
+    (folder / SINGLE_FILE).write_bytes(b"\xff" * 64)
+    with pytest.raises(WeightFilesError, match="not a safetensors file"):
+        tensor_files(folder)
 
 
 def test_step_from_config_trainer_state_then_name(tmp_path):
@@ -60,11 +114,11 @@ def test_a_sharded_save_takes_the_index_and_the_shards_it_names(tmp_path):
     folder = write_checkpoint(tmp_path / "step_9", {"model-00001-of-00002.safetensors": 200,
                                                      "model-00002-of-00002.safetensors": 200,
                                                      "model-00001-of-00003.safetensors": 200})  # stale, unnamed
-    (folder / INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
-                                                           "b": "model-00002-of-00002.safetensors"}}))
+    (folder / INDEX_FILE).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                                "b": "model-00002-of-00002.safetensors"}}))
     settle(folder)
     found = checkpoint_files(folder)
-    assert sorted(found.files) == sorted(["config.json", INDEX, "model-00001-of-00002.safetensors",
+    assert sorted(found.files) == sorted(["config.json", INDEX_FILE, "model-00001-of-00002.safetensors",
                                           "model-00002-of-00002.safetensors"])
     assert not_ready(folder, settle_seconds=30) is None
 
@@ -112,9 +166,12 @@ def test_a_folder_is_ready_only_once_settled_and_whole(tmp_path):
 def test_shards_without_their_index_or_an_index_without_its_shards_are_not_ready(tmp_path):
     folder = write_checkpoint(tmp_path / "step_2", {"model-00001-of-00002.safetensors": 200})
     assert "without model.safetensors.index.json" in not_ready(folder, settle_seconds=0)
-    (folder / INDEX).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
-                                                           "b": "model-00002-of-00002.safetensors"}}))
+    (folder / INDEX_FILE).write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors",
+                                                                "b": "model-00002-of-00002.safetensors"}}))
     assert "not there yet" in not_ready(folder, settle_seconds=0)
+    (folder / INDEX_FILE).write_text('{"metadata": {}}')  # settled, and no index: broken, not pending
+    with pytest.raises(CheckpointBroken, match="not a safetensors index"):
+        not_ready(folder, settle_seconds=0)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty", "random", "longer"])

@@ -259,8 +259,8 @@ def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
     from dflash_eval.flows.history import history
     from dflash_eval.storage import Store
 
-    (row,) = [r for g in history(Store(setup["store"])) for r in g.rows if r["step"] == 300]
-    assert tau == f"{row['tau_macro']:.3f}"  # the served run's scores, as the store holds them
+    (row,) = [r for g in history(Store(setup["store"])) for r in g.rows if r.step == 300]
+    assert tau == f"{row.tau_macro:.3f}"  # the served run's scores, as the store holds them
     assert any(a.key and a.key.endswith("-summary") for a in artifacts)
 
 

@@ -116,13 +116,13 @@ def test_history_rises_with_training_and_shows_the_baseline(run_dir, diagnosed):
     from dflash_eval.storage import Store
 
     (group,) = history(Store(run_dir["store"]))
-    steps = [r["step"] for r in group.candidates]
-    taus = [r["tau_macro"] for r in group.candidates]
+    steps = [r.step for r in group.candidates]
+    taus = [r.tau_macro for r in group.candidates]
     assert steps == sorted(steps) and len(steps) == len(diagnosed)
     assert taus[-1] > taus[0] and taus == [r["tau_macro"] for r, _ in diagnosed]
     (baseline,) = group.baselines
-    assert baseline["label"] == "published/dflash-tiny" and baseline["step"] is None
-    assert baseline["tau_macro"] == taus[1]  # step_200's weights
+    assert baseline.label == "published/dflash-tiny" and baseline.step is None and baseline.mark == "baseline"
+    assert baseline.tau_macro == taus[1]  # step_200's weights
     assert diagnosed[-1][0]["baseline"]["tau_macro"] == taus[1]
     result = CliRunner().invoke(app, ["history", "--store", str(run_dir["store"])])
     assert result.exit_code == 0, result.output
@@ -194,5 +194,5 @@ def test_all_positions_tau_is_scored_on_request(run_dir, diagnosed):
     means = [sum(p["all_positions"]) / len(p["all_positions"]) for p in per_prompt]
     assert results["all_positions_tau"] == pytest.approx(sum(means) / len(means))
     (group,) = history(Store(run_dir["store"]))
-    rows = [r for r in group.rows if r["step"] == 400 and not r["baseline"]]
-    assert len(rows) == 1 and rows[0]["all_positions_tau"] == results["all_positions_tau"]
+    rows = [r for r in group.rows if r.step == 400 and not r.baseline]
+    assert len(rows) == 1 and rows[0].all_positions_tau == results["all_positions_tau"]

@@ -105,13 +105,7 @@ def test_dflash_config_causal_is_read_and_is_causal_wins():
 
 
 # ----------------------------------------------------------------------------------------------
-# mask_token given as a string: resolved through the target's tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    text = "def mask(token):\n    return token\n" * 20 + tiny_target.EOS_TOKEN
-    return tiny_target.train_tokenizer(text, vocab_size=300)
+# mask_token given as a string: resolved through the target's tokenizer (conftest's `tokenizer`)
 
 
 def test_mask_token_string_is_resolved_through_the_tokenizer(tokenizer):

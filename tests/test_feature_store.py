@@ -182,6 +182,7 @@ def _has_chunks_without_marker(store_path, layer, seq) -> bool:
     return has_chunks and marker.get("complete") is not True
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_killed_writer_leaves_nothing_complete_and_rerun_fills_only_the_missing(tmp_path):
     path = tmp_path / FEATURES_DIRNAME
     layers, n_sequences, width, rows = [0, 4], 12, 256, 1024
@@ -228,6 +229,7 @@ def test_killed_writer_leaves_nothing_complete_and_rerun_fills_only_the_missing(
         _assert_bit_exact(store.read_layer(layer, seq, verify=True), hidden_for(layer, seq, rows, width))
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_two_processes_write_different_sequences_at_once(tmp_path):
     path = tmp_path / FEATURES_DIRNAME
     layers, n_sequences, width = [2, 5, 9], 16, 64

@@ -6,6 +6,8 @@ import torch
 from dflash_core.features import extract_features, length_sorted_batches
 from dflash_core.target import load_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 F32 = torch.float32
 
 

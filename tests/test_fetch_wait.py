@@ -21,6 +21,7 @@ def write_later(directory, delay: float) -> threading.Thread:
     return thread
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_a_local_folder_that_appears_and_settles_is_waited_for(tmp_path, capfd):
     folder = tmp_path / "run1" / "step_5"
     folder.parent.mkdir()  # the run's folder exists before its first save
@@ -35,6 +36,7 @@ def test_a_local_folder_that_appears_and_settles_is_waited_for(tmp_path, capfd):
     assert f"waiting for {folder}" in err and "is finished after a wait of" in err
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_a_local_folder_that_never_appears_fails_naming_it_and_the_wait(tmp_path):
     started = time.monotonic()
     with pytest.raises(CheckpointError, match=r"no folder .*/step_1 \(yet\); gave up after waiting 1 s \(--checkpoint-wait 1\)"):
@@ -46,6 +48,7 @@ def test_a_local_folder_that_never_appears_fails_naming_it_and_the_wait(tmp_path
     assert time.monotonic() - started < 10
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_a_folder_that_keeps_changing_never_settles(tmp_path):
     folder = write_checkpoint(tmp_path / "step_6", {"model.safetensors": 4096}, age=0)
     stop = threading.Event()

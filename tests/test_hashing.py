@@ -166,6 +166,7 @@ def test_digest_cache_forgets_deleted_files(tmp_path):
     assert list(json.loads(cache_path.read_text())["files"]) == [str(kept.resolve())]
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_concurrent_cache_writers_lose_nothing(tmp_path):
     cache_path = tmp_path / "file-digests.json"
     groups = []

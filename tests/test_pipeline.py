@@ -5,7 +5,6 @@ Flows run in-process against the session's Prefect test server; command-line run
 `dflash-eval` processes reporting to the same server.
 """
 
-import copy
 import hashlib
 import json
 import os
@@ -22,22 +21,13 @@ from dflash_core.drafter import load_drafter
 from dflash_core.target import load_target, read_target_config
 
 from dflash_eval.tasks.progress import series_key
-from tests.tiny_models import first_prompts
+from tests.tiny_models import SHORT_PROMPTS
 
 pytestmark = pytest.mark.slow
 
-N_PROMPTS = 10
+N_PROMPTS = SHORT_PROMPTS  # the prompts in `tiny.prompts` (conftest's `tiny`: the tiny run, first prompts)
 MAX_NEW = 64
 STAGES = ("fetch", "references", "features", "drafts", "scores")
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_qwen3_run, tmp_path_factory):
-    """The tiny run, with a smaller prompt file (the first N_PROMPTS held-out prompts)."""
-    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
-    tiny = copy.copy(tiny_qwen3_run)  # the session's fixture stays as it is for other modules
-    tiny.prompts = prompts
-    return tiny
 
 
 def arguments(tiny, store, step=-1):

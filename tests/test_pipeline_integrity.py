@@ -2,7 +2,6 @@
 named and recomputed, giving exactly the results of an undamaged store; never a crash for good and
 never a silently different tau."""
 
-import copy
 import hashlib
 import json
 import shutil
@@ -13,21 +12,9 @@ import pytest
 
 from dflash_eval.storage import CorruptEntryWarning
 
-from tests.tiny_models import first_prompts
-
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
-N_PROMPTS = 10
 MAX_NEW = 64
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_qwen3_run, tmp_path_factory):
-    """The tiny run, with a smaller prompt file (the first N_PROMPTS held-out prompts)."""
-    prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
-    tiny = copy.copy(tiny_qwen3_run)  # the session's fixture stays as it is for other modules
-    tiny.prompts = prompts
-    return tiny
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +128,7 @@ def test_a_truncated_scores_json_is_detected_by_run_history_and_report_and_recom
 
 def test_later_stages_follow_a_refreshed_stage_whose_content_changed_and_stay_when_it_did_not(
         tiny, clean, tmp_path, monkeypatch):
-    import dflash_eval.tasks.features
+    from dflash_eval.tasks import features as features_task
 
     store = tmp_path / "store"
     assert evaluate(tiny, store)["tau_macro"] == clean["tau_macro"]
@@ -151,7 +138,7 @@ def test_later_stages_follow_a_refreshed_stage_whose_content_changed_and_stay_wh
     clean_drafts = drafts_json.read_bytes()
 
     # as the tester saw it: damage that the drafts stage does not notice, then `stage drafts --refresh`
-    monkeypatch.setattr(tasks.features, "VERIFY_READS", False, raising=False)
+    monkeypatch.setattr(features_task, "VERIFY_READS", False)
     evaluate(tiny, store, until="drafts", refresh=["drafts"])
     assert drafts_json.read_bytes() != clean_drafts  # drafted from the damaged features
     changed = evaluate(tiny, store)
@@ -161,7 +148,7 @@ def test_later_stages_follow_a_refreshed_stage_whose_content_changed_and_stay_wh
         [p["acceptance_lengths"] for p in json.loads(drafts_json.read_text())["per_prompt"]]
 
     # verified reads: the refresh extracts the damaged arrays again, the drafts are the clean ones again
-    monkeypatch.setattr(tasks.features, "VERIFY_READS", True, raising=False)
+    monkeypatch.setattr(features_task, "VERIFY_READS", True)
     evaluate(tiny, store, until="drafts", refresh=["drafts"])
     assert drafts_json.read_bytes() == clean_drafts
     fixed = evaluate(tiny, store)
@@ -229,7 +216,7 @@ def test_a_damaged_checkpoint_is_named_and_fetched_again_by_the_next_run(tiny, c
     from dflash_eval.storage import store as store_module
 
     # as for a real checkpoint: its weights are too large to hash on every read, only before drafting
-    monkeypatch.setattr(store_module, "VERIFY_ON_READ_BYTES", 0, raising=False)
+    monkeypatch.setattr(store_module, "VERIFY_ON_READ_BYTES", 0)
     store = tmp_path / "store"
     evaluate(tiny, store, step=0)
     shutil.rmtree(entry_dir(store, "drafts"))  # the drafts read the checkpoint again
@@ -249,7 +236,7 @@ def test_weights_are_hashed_before_drafting_only_when_the_fetch_was_a_cache_hit(
     does not hash them again. One fetched by an earlier run is hashed in full before it is drafted from."""
     from dflash_eval.storage import store as store_module
 
-    monkeypatch.setattr(store_module, "VERIFY_ON_READ_BYTES", 0, raising=False)  # weights as large as real ones
+    monkeypatch.setattr(store_module, "VERIFY_ON_READ_BYTES", 0)  # weights as large as real ones
     hashed = []
     real_sha256 = store_module.file_sha256
     monkeypatch.setattr(store_module, "file_sha256", lambda path: hashed.append(Path(path).name) or real_sha256(path))

@@ -1,4 +1,5 @@
-"""Prompt sets: JSONL read into token ids with a real (tiny, trained) tokenizer with a chat template."""
+"""Prompt sets: JSONL read into token ids with a real (tiny, trained) tokenizer with a chat template
+(conftest's `tokenizer`)."""
 
 import copy
 import json
@@ -17,22 +18,12 @@ from dflash_core.prompts import (
     turn_prompt_ids,
 )
 
-TRAINING_TEXT = (
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n"
-    "Write a haiku about tokenizers. Sort a list of numbers. Be brief and answer the user.\n"
-) * 20
-
 # A Qwen3-like template that reads `enable_thinking`: an empty think block when thinking is off.
 THINKING_TEMPLATE = tiny_target.CHAT_TEMPLATE + (
     "{%- if add_generation_prompt and enable_thinking is defined and not enable_thinking %}"
     "{{- 'NO THINK\\n' }}"
     "{%- endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_target.train_tokenizer(TRAINING_TEXT, vocab_size=300)
 
 
 def write(tmp_path, *lines, name="prompts.jsonl"):

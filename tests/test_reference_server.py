@@ -1,6 +1,6 @@
 """The reference server: a real HTTP server on loopback, checked against local greedy decoding.
 
-The target is a tiny randomly initialised Qwen3 with a tokenizer trained in a fraction of a second.
+The target is a tiny randomly initialised Qwen3 with the tiny target's tokenizer (conftest's `tokenizer`).
 Its lm_head rows of eos and of one token are swapped so that one prompt's greedy continuation
 ends with eos after a few tokens (swapping two rows only relabels two logits: greedy decoding
 stays greedy decoding, now with an eos in it).
@@ -26,26 +26,16 @@ from dflash_core.reference.backends import (API_KEY_ENV, BackendError, OpenAIBac
                                              reference_api_key)
 from dflash_core.reference.server import ReferenceServer
 from dflash_core.target import Target, load_target
+from tests.tiny_models import qwen3_config
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=16, max_position_embeddings=64, initializer_range=0.05)
+SMALL = dict(num_hidden_layers=2, max_position_embeddings=64)  # on the test-size Qwen3 config
 MAX_NEW = 12
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "for i in range("]
 STALL_SECONDS = 3.0
 TIMEOUT = 30  # generous: the machine is shared
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def corpus_text():
-    return tiny_target.build_corpus(max_bytes=60_000)[0]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(corpus_text):
-    return tiny_target.train_tokenizer(corpus_text)
 
 
 def _ends_with_eos_soon(model, tokenizer, text):
@@ -64,7 +54,7 @@ def target_dir(tmp_path_factory, tokenizer):
     eos = tokenizer.eos_token_id
     for seed in range(20):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(tiny_target.qwen3_config(len(tokenizer), eos, **SMALL)).eval()
+        model = Qwen3ForCausalLM(qwen3_config(len(tokenizer), eos, **SMALL)).eval()
         token = _ends_with_eos_soon(model, tokenizer, PROMPTS[0])
         if token is not None:
             break
@@ -342,8 +332,8 @@ def test_health_model_info_models_tokenize(server, target_dir, tokenizer):
     assert requests.get(server.url + "/tokenizer_info", timeout=TIMEOUT).json()["tokenizer_class"]
 
 
-def test_a_different_tokenizer_is_served(target_dir, local, corpus_text, tmp_path):
-    other = tiny_target.train_tokenizer(corpus_text[:20_000], vocab_size=300)
+def test_a_different_tokenizer_is_served(target_dir, local, corpus, tmp_path):
+    other = tiny_target.train_tokenizer(corpus[0][:20_000], vocab_size=300)
     other.save_pretrained(tmp_path / "other")
     with ReferenceServer(target_dir, tokenizer_dir=tmp_path / "other") as server:
         assert requests.get(server.url + "/get_model_info", timeout=TIMEOUT).json()["tokenizer_path"] == str(tmp_path / "other")
@@ -380,6 +370,7 @@ def test_500_and_the_next_request_works(server, local):
     assert server.requests_served == before + 2 and server.faults.empty()  # only generation requests count
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_stall_times_the_client_out_and_the_next_request_works(server, local):
     server.faults.put("stall")
     with pytest.raises(requests.exceptions.Timeout):

@@ -134,6 +134,7 @@ def test_download_multi_file_with_progress(tree, relay, tmp_path):
     assert relay.bytes_sent == sent
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_max_rate_caps_all_downloads_together(tree, tmp_path):
     """3 MB over two files in parallel at 6 MB/s total cannot finish in under half a second."""
     with RelayServer(tree, state_dir=tmp_path / "state", settle_seconds=5, max_rate=6 * MB) as capped:

@@ -46,6 +46,7 @@ def _swap_link(link, targets, tmp, stop: threading.Event, swaps: list) -> None:
     swaps.append(i)
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 @pytest.mark.parametrize("borrowed", [False, True], ids=["checkpoint-file", "run-folder-config"])
 def test_link_swapped_during_downloads_never_serves_outside_bytes(root, tmp_path, borrowed):
     """A link swapped between a file inside DIR and a secret outside it, as fast as a thread can, while
@@ -174,6 +175,7 @@ def test_half_open_requests_do_not_exhaust_the_server(root, tmp_path):
                 s.close()
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_trickled_request_and_idle_keep_alive_are_dropped(root, tmp_path):
     """A request whose header bytes trickle in (one line every 0.2 s, so no single read ever waits
     long) is dropped at request_timeout, and so is a keep-alive connection left idle after an answer."""
@@ -206,6 +208,7 @@ def _wait_for(condition, seconds: float = 2) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_connection_bounds_answer_503_with_retry_after(root, tmp_path):
     """Over the bound per client and over the bound in all, a connection is answered 503 with
     Retry-After at once; a RelayClient waits and gets through once slots are free."""

@@ -19,6 +19,8 @@ from dflash_core.target import Target, load_target
 from tests.drafters import drafter_config, random_drafter
 from tests.tiny_models import qwen3_config
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 24
 STOP = 3
 

@@ -22,6 +22,8 @@ from typer.testing import CliRunner
 from dflash_eval.flows.cli import app
 from dflash_eval.flows.report import NothingToReport, write_report
 from dflash_eval.storage import Store, key_of, write_json_atomic
+from dflash_eval.storage.schema import (BaselineRecord, DiagnosticsRecord, DraftsRecord, FeaturesRecord, FetchRecord,
+                                        ReferencesRecord, ScoresRecord, Stage)
 
 from tests.tiny_models import first_prompts
 
@@ -118,8 +120,9 @@ def scored_store(tiny_qwen3_run, prefect_api_url, tmp_path_factory):
     for drafter in [*tiny_qwen3_run.drafter_steps, baseline]:
         results = evaluate_checkpoint(target=str(tiny_qwen3_run.target_dir), drafter=str(drafter), prompts=str(prompts),
                                       max_new_tokens=MAX_NEW, store=str(store.root))
-    store.begin("baselines", results["keys"]["fetch"])
-    store.commit("baselines", results["keys"]["fetch"], {"checkpoint": results["keys"]["fetch"]})
+    store.begin(Stage.BASELINES, results["keys"]["fetch"])
+    store.commit(Stage.BASELINES, results["keys"]["fetch"],
+                 BaselineRecord(source=str(baseline), step=results["drafter"]["step"]).to_record())
     return store
 
 
@@ -177,7 +180,7 @@ def test_the_markdown_shows_the_same_plots_from_files(report):
     assert "| step | checkpoint | tau macro |" in markdown
 
 
-def diagnostics_of(row: dict, tau: float) -> dict:
+def diagnostics_of(tau: float) -> dict:
     """A diagnostics.json as tasks/diagnostics.py writes it, with text that HTML must not run."""
     return {
         "tau_macro": tau, "layer_ids": [1, 2], "num_target_layers": 4,
@@ -209,13 +212,13 @@ def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored
     shutil.copytree(scored_store.root, store.root)
     (group,) = history(store)
     row = group.candidates[-1]
-    key = key_of({"diagnostics test": row["drafts"]})
-    write_json_atomic(store.begin("diagnostics", key) / "diagnostics.json", diagnostics_of(row, row["tau_macro"]))
-    store.commit("diagnostics", key, {"drafts": row["drafts"], "scores": row["scores"]})
+    key = key_of({"diagnostics test": row.drafts})
+    write_json_atomic(store.begin(Stage.DIAGNOSTICS, key) / "diagnostics.json", diagnostics_of(row.tau_macro))
+    store.commit(Stage.DIAGNOSTICS, key, DiagnosticsRecord(drafts=row.drafts, scores=row.scores).to_record())
 
     text = write_report(store, tmp_path / "out").read_text()
     page = Page(text)
-    assert ("h3", f"Diagnostics: {row['label']}") in page.headings
+    assert ("h3", f"Diagnostics: {row.label}") in page.headings
     assert len(page.images) == 5  # the three of the group, the ablation and the offset probe
     for image in page.images:
         assert_readable_plot(png_of(image["src"]))
@@ -224,7 +227,7 @@ def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored
     examples = page.table_after("prompt")
     assert examples[0] == ["prompt", "category", "step", "position", "accepted", "context", "drafted", "reference"]
     assert examples[1][5:] == ["def f(x):\n    return <script>alert('x')</script>", " x + 1\n  ", " x & 2"]
-    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in text and " x &amp; 2" in text
+    assert "<script>" not in text and "&lt;script&gt;alert(" in text and " x &amp; 2" in text  # escaped
     assert "white-space: pre-wrap" in text
     assert "no sliding-window layers" in text and "Offsets -2, +2" in text
     assert_self_contained(text, page)
@@ -288,16 +291,17 @@ def fabricate(store: Store, source: str, step: int | None, tau: float, ci: tuple
     checkpoint, references, features = key_of({"c": source}), key_of({"r": 1}), key_of({"f": 1})
     drafts, scores_key = key_of({"d": source, "sem": semantics}), key_of({"s": source, "sem": semantics})
     records = {
-        ("fetch", checkpoint): {"source": source, "step": step, "files": {}},
-        ("references", references): {"target": "/models/Target-8B", "prompts": "/suites/mixed.jsonl",
-                                     "max_new_tokens": 256},
-        ("features", features): {"references": references, "layer_ids": [1, 2]},
-        ("drafts", drafts): {"checkpoint": checkpoint, "features": features, "sliding_semantics": semantics,
-                             "block_size": block_size},
-        ("scores", scores_key): {"drafts": drafts},
+        (Stage.FETCH, checkpoint): FetchRecord(files={}, source=source, step=step),
+        (Stage.REFERENCES, references): ReferencesRecord(
+            n_prompts=3, n=3, prompts="/suites/mixed.jsonl", backend={"kind": "transformers"}, max_new_tokens=256,
+            stop_token_ids=(2,), lookahead=0, unverified=0, target="/models/Target-8B"),
+        (Stage.FEATURES, features): FeaturesRecord(layer_ids=(1, 2), n=3, references=references, dtype="float32"),
+        (Stage.DRAFTS, drafts): DraftsRecord(checkpoint=checkpoint, features=features, block_size=block_size,
+                                             sliding_semantics=semantics, layer_ids=(1, 2)),
+        (Stage.SCORES, scores_key): ScoresRecord(tau_macro=tau, tau_pooled=tau - 0.1, drafts=drafts),
     }
     if baseline:
-        records[("baselines", checkpoint)] = {"checkpoint": checkpoint}
+        records[(Stage.BASELINES, checkpoint)] = BaselineRecord(source=source, step=step)
     lengths = {str(k): max(1, 60 - 8 * k + int(4 * tau)) for k in range(1, block_size + 1)}
     write_json_atomic(store.begin("scores", scores_key) / "scores.json", {
         "tau_macro": tau, "tau_macro_ci95": ci, "tau_pooled": tau - 0.1, "block_size": block_size,
@@ -310,7 +314,7 @@ def fabricate(store: Store, source: str, step: int | None, tau: float, ci: tuple
     })
     for (stage, key), record in records.items():
         store.begin(stage, key)
-        store.commit(stage, key, record)
+        store.commit(stage, key, record.to_record())
     marker = store.entry("scores", scores_key) / "entry.json"
     scored_at = datetime(2025, 1, 1, tzinfo=timezone.utc) + timedelta(minutes=next(_clock))
     write_json_atomic(marker, {**json.loads(marker.read_text()), "committed_at": scored_at.isoformat()})
@@ -401,10 +405,11 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
     }
     (group,) = history(store)
     order = ["a/zz-untrained", "a/step_100", "a/step_200", "a/step_300", "a/aa-export"]
-    assert [r["label"] for r in group.rows] == order
-    assert [r["regression"] for r in group.rows] == [False, False, False, True, False]
-    assert group.best["label"] == "a/step_200"
-    assert [r["scored_at"] for r in group.rows] == \
+    assert [r.label for r in group.rows] == order
+    assert [r.regression for r in group.rows] == [False, False, False, True, False]
+    assert [r.mark for r in group.rows] == ["", "", "best", "REGRESSION", ""]
+    assert group.best.label == "a/step_200"
+    assert [r.scored_at for r in group.rows] == \
         [store.committed_at("scores", keys[label.split("/")[1]]) for label in order]
 
     text = write_report(store, tmp_path / "out", last=2).read_text()
@@ -417,8 +422,8 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
 
     def summary(label, step):
         found = find_group(history(store), keys[label])
-        results = {"drafter": {"source": f"/runs/a/{label}", "step": step}, "tau_macro": found[1]["tau_macro"],
-                   "tau_macro_ci95": found[1]["tau_macro_ci95"], "tau_pooled": 1.0, "block_size": 8,
+        results = {"drafter": {"source": f"/runs/a/{label}", "step": step}, "tau_macro": found[1].tau_macro,
+                   "tau_macro_ci95": found[1].tau_macro_ci95, "tau_pooled": 1.0, "block_size": 8,
                    "n_scored_prompts": 3, "stages": {"scores": "ran"}}
         return summary_markdown(results, found, None)
 

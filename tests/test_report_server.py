@@ -179,6 +179,7 @@ def _line_with(process: subprocess.Popen, text: str, timeout: float) -> str:
     raise AssertionError(f"no line with {text!r} in:\n{''.join(seen)}{process.stderr.read()}")
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_command_line_writes_and_serves_the_report(tmp_path):
     store = Store(tmp_path / "store")
     for step, tau in [(1000, 3.1), (2000, 3.6)]:
@@ -256,7 +257,9 @@ def serve_without_runner(monkeypatch, tmp_path):
         assert result.exit_code == 0, result.output
         return result.output, seen
 
-    return serve, store
+    yield serve, store
+    # serve sets it in this very process (for its flow runs), out of monkeypatch's sight: later tests must not see it
+    os.environ.pop(REPORT_URL_ENV, None)
 
 
 def test_serve_serves_the_store_s_report_to_its_flow_runs(serve_without_runner):

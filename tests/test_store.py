@@ -3,6 +3,7 @@ import multiprocessing
 import os
 import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,15 @@ from dflash_eval.storage import (
     CorruptEntryWarning,
     EntryMissing,
     LockTimeout,
+    Outcome,
     Store,
     default_root,
     key_of,
     read_json,
     write_json_atomic,
 )
+from dflash_eval.storage.integrity import entry_label, upstream_digests
+from dflash_eval.storage.store import ABSENT, DAMAGED, LACKING, REFRESH, STALE
 from tests import storage_workers
 
 KEY = key_of({"test": "entry"})
@@ -30,6 +34,22 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} never appeared")
         time.sleep(0.01)
+
+
+@contextmanager
+def worker_started(worker, root: Path, stage: str, key: str, seconds: float, kill: bool = False):
+    """A spawned process running `worker(root, stage, key, marker, seconds)`, yielded once it has written its
+    marker file (it computes or holds the lock from then on); joined on exit, after a SIGKILL if `kill`."""
+    marker = root / "marker"
+    process = SPAWN.Process(target=worker, args=(root, stage, key, marker, seconds))
+    process.start()
+    try:
+        _wait_for(marker)
+        yield process
+    finally:
+        if kill:
+            os.kill(process.pid, signal.SIGKILL)
+        process.join(timeout=60)
 
 
 # ---------------------------------------------------------------- layout and records
@@ -147,7 +167,7 @@ def test_corrupt_marker_is_a_miss_with_warning(tmp_path, content):
     with pytest.raises(EntryMissing, match="incomplete"):
         store.read_record("scores", KEY)
     # The next run recomputes it.
-    assert store.get_or_compute("scores", KEY, lambda d: {"tau": 2.0}) == {"tau": 2.0}
+    assert store.get_or_compute("scores", KEY, lambda d: {"tau": 2.0}).record == {"tau": 2.0}
 
 
 def test_records_are_atomic_and_strict(tmp_path):
@@ -160,10 +180,18 @@ def test_records_are_atomic_and_strict(tmp_path):
     assert sorted(p.name for p in path.parent.iterdir()) == ["scores.json"]  # no temp files left
 
 
-# ---------------------------------------------------------------- get_or_compute
+# ---------------------------------------------------------------- get_or_compute: the one path every stage takes
 
 
-def test_get_or_compute_runs_only_on_a_miss(tmp_path):
+def _write(value):
+    """A compute that writes out.json holding `value` and returns it as the record."""
+    def compute(directory):
+        write_json_atomic(directory / "out.json", {"value": value})
+        return {"value": value}
+    return compute
+
+
+def test_get_or_compute_runs_only_on_a_miss_and_names_it(tmp_path):
     store = Store(tmp_path)
     calls = []
 
@@ -172,12 +200,117 @@ def test_get_or_compute_runs_only_on_a_miss(tmp_path):
         write_json_atomic(directory / "drafts.json", {"blocks": 4})
         return {"blocks": 4}
 
-    assert store.get_or_compute("drafts", KEY, compute) == {"blocks": 4}
-    assert store.get_or_compute("drafts", KEY, compute) == {"blocks": 4}
+    first = store.get_or_compute("drafts", KEY, compute)
+    assert first.record == {"blocks": 4} and first.computed
+    assert (first.miss.kind, first.miss.reason, first.miss.entry) == (ABSENT, "absent", None)
+    assert first.content == store.content("drafts", KEY) is not None
+    again = store.get_or_compute("drafts", KEY, compute)
+    assert again == Outcome({"blocks": 4}, first.content) and not again.computed
     assert calls == [store.entry("drafts", KEY)]
 
 
-def test_failed_compute_commits_nothing_and_keeps_partial_files(tmp_path):
+def test_on_miss_is_told_why_before_anything_is_removed_or_computed(tmp_path):
+    store = Store(tmp_path)
+    store.get_or_compute("scores", KEY, _write(1))
+    seen = []
+
+    def on_miss(miss):
+        seen.append((miss.kind, (store.entry("scores", KEY) / "out.json").exists()))  # the old file still there
+
+    def compute(directory):
+        seen.append("computed")
+        return _write(2)(directory)
+
+    store.get_or_compute("scores", KEY, compute, refresh=True, on_miss=on_miss)
+    assert seen == [(REFRESH, True), "computed"]
+    store.get_or_compute("scores", KEY, compute, on_miss=on_miss)  # a hit: not called
+    assert len(seen) == 2
+
+
+def test_refresh_removes_the_entry_whole_and_recomputes_it(tmp_path):
+    store = Store(tmp_path)
+    old = store.get_or_compute("scores", KEY, _write(1))
+    (store.entry("scores", KEY) / "extra.bin").write_bytes(b"of the old entry")
+    store.commit("scores", KEY, {"value": 1})  # extra.bin is part of the committed entry now
+    committed = store.read_entry("scores", KEY)
+    refreshed = store.get_or_compute("scores", KEY, _write(1), refresh=True)
+    assert refreshed.computed and refreshed.miss.kind == REFRESH and refreshed.miss.entry == committed
+    assert not (store.entry("scores", KEY) / "extra.bin").exists()  # nothing of the old entry kept
+    assert refreshed.content == old.content != committed.content  # reproduced out.json, without extra.bin
+    # a refresh of an entry never committed removes what an interrupted run left
+    (store.begin("drafts", KEY) / "partial.bin").write_bytes(b"half")
+    fresh = store.get_or_compute("drafts", KEY, _write(3), refresh=True)
+    assert fresh.miss.kind == REFRESH and fresh.miss.entry is None
+    assert sorted(p.name for p in store.entry("drafts", KEY).iterdir()) == ["entry.json", "out.json"]
+
+
+def test_an_entry_built_on_changed_content_is_removed_whole_and_recomputed_with_the_miss_named(tmp_path):
+    store = Store(tmp_path)
+    label = entry_label("drafts", KEY)
+    upstream = lambda: upstream_digests(store, [label])  # noqa: E731
+    store.get_or_compute("drafts", KEY, _write(1))
+    built = store.get_or_compute("scores", OTHER_KEY, _write("a"), upstream=upstream)
+    assert built.computed and store.read_entry("scores", OTHER_KEY).upstream == {label: store.content("drafts", KEY)}
+    assert not store.get_or_compute("scores", OTHER_KEY, _write("b"), upstream=upstream).computed
+
+    store.get_or_compute("drafts", KEY, _write(1), refresh=True)  # the same content: still fresh
+    assert store.get_or_compute("scores", OTHER_KEY, _write("b"), upstream=upstream).record == {"value": "a"}
+
+    store.get_or_compute("drafts", KEY, _write(2), refresh=True)  # another content: stale
+    (store.entry("scores", OTHER_KEY) / "old.bin").write_bytes(b"of the stale entry")
+    extended = []
+    stale = store.get_or_compute("scores", OTHER_KEY, _write("c"), upstream=upstream,
+                                 holds=lambda entry: False, extend=lambda d, kept: extended.append(kept))
+    assert stale.record == {"value": "c"} and not extended  # recomputed, never extended
+    assert (stale.miss.kind, stale.miss.stale) == (STALE, (label,))
+    assert stale.miss.reason == f"built on {label}, whose content has changed since"
+    assert stale.miss.entry.record == {"value": "a"}
+    assert not (store.entry("scores", OTHER_KEY) / "old.bin").exists()
+    assert store.read_entry("scores", OTHER_KEY).upstream == {label: store.content("drafts", KEY)}
+    assert not store.get_or_compute("scores", OTHER_KEY, _write("d"), upstream=upstream).computed
+
+
+def test_a_damaged_entry_is_recomputed_with_what_was_damaged_named(tmp_path):
+    store = Store(tmp_path)
+    store.get_or_compute("scores", KEY, _write(1))
+    (store.entry("scores", KEY) / "out.json").write_text('{"value": 9}')  # same size, another content
+    (store.entry("scores", KEY) / "kept.bin").write_bytes(b"resumable")
+    with pytest.warns(CorruptEntryWarning, match="out.json"):
+        outcome = store.get_or_compute("scores", KEY, _write(1))
+    assert outcome.miss.kind == DAMAGED and outcome.record == {"value": 1}
+    assert outcome.miss.reason.startswith("damaged, removed (out.json: sha256 differs")
+    assert (store.entry("scores", KEY) / "kept.bin").exists()  # undamaged files stay: a stage may resume
+
+
+def test_a_fresh_entry_that_lacks_what_is_asked_is_extended_in_place(tmp_path):
+    store = Store(tmp_path)
+    entry = store.entry("features", KEY)
+
+    def layers(*ids):
+        def compute(directory, kept=None):
+            held = kept.record["layers"] if kept is not None else []
+            for i in ids:
+                if not (directory / f"layer_{i}").exists():
+                    (directory / f"layer_{i}").write_text(str(i))
+            return {"layers": sorted(set(held) | set(ids))}
+        return compute
+
+    def holds(*ids):
+        return lambda entry_found: all((entry / f"layer_{i}").exists() for i in ids)
+
+    first = store.get_or_compute("features", KEY, layers(1), holds=holds(1), extend=layers(1))
+    assert first.miss.kind == ABSENT
+    one = (entry / "layer_1").stat().st_mtime_ns
+    more = store.get_or_compute("features", KEY, layers(2), holds=holds(2), extend=layers(2))
+    assert more.record == {"layers": [1, 2]}  # the kept entry's layers and the new ones
+    assert (more.miss.kind, more.miss.entry.record) == (LACKING, {"layers": [1]})
+    assert (entry / "layer_1").stat().st_mtime_ns == one  # extended, not removed
+    assert not store.get_or_compute("features", KEY, layers(1, 2), holds=holds(1, 2), extend=layers(1, 2)).computed
+    with pytest.raises(TypeError, match="together"):
+        store.get_or_compute("features", KEY, layers(3), holds=holds(3))
+
+
+def test_failed_compute_commits_nothing_and_keeps_partial_files_for_the_resume(tmp_path):
     store = Store(tmp_path)
 
     def crash(directory):
@@ -188,50 +321,97 @@ def test_failed_compute_commits_nothing_and_keeps_partial_files(tmp_path):
         store.get_or_compute("features", KEY, crash)
     assert not store.is_complete("features", KEY)
     assert (store.entry("features", KEY) / "partial.bin").exists()
+
+    def resume(directory):
+        assert (directory / "partial.bin").read_bytes() == b"half"  # what the killed run left
+        return {"ok": True}
+
     # The lock was released: a second attempt does not block.
-    assert store.get_or_compute("features", KEY, lambda d: {"ok": True}, timeout=5) == {"ok": True}
+    resumed = store.get_or_compute("features", KEY, resume, timeout=5)
+    assert resumed.record == {"ok": True}
+    assert (resumed.miss.kind, resumed.miss.reason) == (ABSENT, "incomplete (no entry.json)")
+
+
+def test_the_stage_tasks_log_each_miss_and_whether_a_refresh_reproduced_the_content(tmp_path, capsys):
+    from dflash_eval.tasks.stage import get_or_compute
+
+    store = Store(tmp_path)
+    upstream = lambda: upstream_digests(store, [entry_label("drafts", KEY)])  # noqa: E731
+    assert get_or_compute(store, "drafts", KEY, _write(1)).computed
+    assert f"drafts/{KEY} is absent: computing it" in capsys.readouterr().err
+    get_or_compute(store, "scores", OTHER_KEY, _write("a"), upstream=upstream)
+
+    # a refresh that reproduces the content: what was built on it stays
+    capsys.readouterr()
+    assert get_or_compute(store, "drafts", KEY, _write(1), refresh=True).computed
+    assert "reproduced its content digest" in capsys.readouterr().err
+    assert not get_or_compute(store, "scores", OTHER_KEY, _write("b"), upstream=upstream).computed
+
+    # one that changes it: what was built on it is recomputed, and both say so
+    get_or_compute(store, "drafts", KEY, _write(2), refresh=True)
+    assert f"refresh of drafts/{KEY} changed its content" in capsys.readouterr().err
+    assert get_or_compute(store, "scores", OTHER_KEY, _write("c"), upstream=upstream).record == {"value": "c"}
+    assert f"scores/{OTHER_KEY} is stale: built on drafts/{KEY}, whose content has changed since; recomputing it" \
+        in capsys.readouterr().err
+
+    # `compared`: what a refresh compares, read from the replaced entry before it is removed
+    compared = []
+    get_or_compute(store, "drafts", KEY, _write(2), refresh=True,
+                   compared=lambda entry: compared.append(entry.record) or "same digest")
+    assert compared == [{"value": 2}, {"value": 2}]
+    assert f"refresh of drafts/{KEY} reproduced its content digest same digest" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- locking across processes
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_second_process_waits_then_reads_the_committed_entry(tmp_path):
     store = Store(tmp_path)
-    started = tmp_path / "started"
-    computing = SPAWN.Process(target=storage_workers.compute_slowly, args=(tmp_path, "drafts", KEY, started, 1.5))
-    computing.start()
-    try:
-        _wait_for(started)
 
-        def must_not_run(directory):
-            raise AssertionError("the waiting process computed the entry itself")
+    def must_not_run(directory):
+        raise AssertionError("the waiting process computed the entry itself")
 
+    with worker_started(storage_workers.compute_slowly, tmp_path, "drafts", KEY, 1.5) as computing:
         t0 = time.monotonic()
-        record = store.get_or_compute("drafts", KEY, must_not_run, timeout=60)
+        outcome = store.get_or_compute("drafts", KEY, must_not_run, timeout=60)
         waited = time.monotonic() - t0
-    finally:
-        computing.join(timeout=60)
     assert computing.exitcode == 0
-    assert record["pid"] == computing.pid
+    assert outcome.record["pid"] == computing.pid and not outcome.computed
     assert waited > 0.5  # it really waited for the other process's commit
     assert json.loads((store.entry("drafts", KEY) / "payload.json").read_text()) == {"pid": computing.pid}
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
+def test_processes_that_need_an_entry_at_once_compute_it_once(tmp_path):
+    n = 4
+    barrier, log = SPAWN.Barrier(n), tmp_path / "computed.log"
+    results = [tmp_path / f"outcome_{i}.json" for i in range(n)]
+    workers = [SPAWN.Process(target=storage_workers.compute_at_once,
+                             args=(tmp_path / "store", "drafts", KEY, barrier, log, results[i])) for i in range(n)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=120)
+    assert [w.exitcode for w in workers] == [0] * n
+    (pid,) = log.read_text().split()  # one computation
+    outcomes = [json.loads(r.read_text()) for r in results]
+    assert all(o["record"] == {"pid": int(pid)} for o in outcomes)
+    assert sorted(o["computed"] for o in outcomes) == [False] * (n - 1) + [True]
+
+
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_lock_timeout_and_release_when_the_holder_is_killed(tmp_path):
     store = Store(tmp_path)
-    ready = tmp_path / "locked"
-    holder = SPAWN.Process(target=storage_workers.hold_lock, args=(tmp_path, "features", KEY, ready, 120))
-    holder.start()
-    try:
-        _wait_for(ready)
+    with worker_started(storage_workers.hold_lock, tmp_path, "features", KEY, 120, kill=True) as holder:
         with pytest.raises(LockTimeout, match="another process holds it"):
             with store.lock("features", KEY, timeout=0.2):
                 pass
         with store.lock("features", OTHER_KEY, timeout=0.2):  # other entries are not blocked
             pass
-    finally:
-        os.kill(holder.pid, signal.SIGKILL)
-        holder.join(timeout=30)
+        with pytest.raises(LockTimeout):
+            store.get_or_compute("features", KEY, lambda d: {"computed": "without the lock"}, timeout=0.2)
+        assert not (store.entry("features", KEY) / "entry.json").exists()
     assert holder.exitcode == -signal.SIGKILL
     t0 = time.monotonic()
     with store.lock("features", KEY, timeout=10):

@@ -65,7 +65,7 @@ def test_a_damaged_record_file_is_named_removed_and_recomputed(tmp_path, damage)
         with pytest.raises(EntryMissing, match="damaged"):
             store.read_record("scores", KEY)
     assert not (directory / "entry.json").exists() and not scores.exists()
-    assert store.get_or_compute("scores", KEY, lambda d: {"tau_macro": 3.974}) == {"tau_macro": 3.974}
+    assert store.get_or_compute("scores", KEY, lambda d: {"tau_macro": 3.974}).record == {"tau_macro": 3.974}
 
 
 def test_a_changed_digit_in_a_record_is_caught_by_the_checksum(tmp_path):
@@ -163,36 +163,6 @@ def test_verified_reads_catch_a_flipped_bit_and_a_marker_without_sha256(tmp_path
 
 
 # ---------------------------------------------------------------- staleness
-
-
-def _write(value):
-    def compute(directory):
-        write_json_atomic(directory / "out.json", {"value": value})
-        return {"value": value}
-    return compute
-
-
-def test_an_entry_built_on_changed_content_is_recomputed_and_the_log_says_so(tmp_path, capsys):
-    from dflash_eval.tasks.stage import run_entry
-
-    store = Store(tmp_path)
-    upstream = lambda: upstream_digests(store, [entry_label("drafts", KEY)])  # noqa: E731
-    run_entry(store, "drafts", KEY, _write(1))
-    assert run_entry(store, "scores", OTHER_KEY, _write("a"), upstream=upstream) == ({"value": "a"}, True)
-    assert run_entry(store, "scores", OTHER_KEY, _write("b"), upstream=upstream) == ({"value": "a"}, False)
-
-    # a refresh that reproduces the content: what was built on it stays
-    capsys.readouterr()
-    assert run_entry(store, "drafts", KEY, _write(1), refresh=True) == ({"value": 1}, True)
-    assert "reproduced its content digest" in capsys.readouterr().err
-    assert run_entry(store, "scores", OTHER_KEY, _write("b"), upstream=upstream) == ({"value": "a"}, False)
-
-    # one that changes it: what was built on it is recomputed, and both say so
-    run_entry(store, "drafts", KEY, _write(2), refresh=True)
-    assert f"refresh of drafts/{KEY} changed its content" in capsys.readouterr().err
-    assert run_entry(store, "scores", OTHER_KEY, _write("c"), upstream=upstream) == ({"value": "c"}, True)
-    assert f"scores/{OTHER_KEY} is stale: built on drafts/{KEY}" in capsys.readouterr().err
-    assert run_entry(store, "scores", OTHER_KEY, _write("d"), upstream=upstream) == ({"value": "c"}, False)
 
 
 def test_feature_labels_digest_only_the_layers_read(tmp_path):

@@ -172,6 +172,7 @@ def start_run_by_hand(directory, seconds: float) -> subprocess.Popen:
     return process
 
 
+@pytest.mark.slow  # starts processes or waits on purpose
 def test_runs_by_hand_share_the_cores_and_dead_ones_stop_counting(fresh_budget, monkeypatch, tmp_path):
     monkeypatch.setattr(threads, "machine_cores", lambda: 6)
     directory = tmp_path / "runs"

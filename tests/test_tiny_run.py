@@ -13,6 +13,7 @@ from dflash_core.decoding import greedy_decode, speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.tiny.training import init_drafter
 from dflash_core.features import extract_features
+from dflash_core.metrics import mean_acceptance, tau_macro
 from dflash_core.replay import Reference, replay
 from dflash_core.target import load_target
 
@@ -20,12 +21,11 @@ pytestmark = pytest.mark.slow
 
 
 def per_prompt_tau(results):
-    return [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in results if r.acceptance_lengths]
+    return [mean_acceptance(r.acceptance_lengths) for r in results if r.acceptance_lengths]
 
 
 def tau(results):
-    per_prompt = per_prompt_tau(results)
-    return sum(per_prompt) / len(per_prompt)
+    return tau_macro([r for r in results if r.acceptance_lengths])
 
 
 class Eval:

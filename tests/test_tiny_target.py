@@ -14,33 +14,15 @@ from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditiona
 
 from dflash_core.tiny import target as tiny_target
 from dflash_core.target import load_target
+from tests.tiny_models import CORPUS_BYTES, SHRUNK, SHRUNK_LINEAR
 
-CORPUS_BYTES = 200_000
-# A shrunken model so that a few training steps take well under a second.
-SMALL = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16
-)
-SMALL_QWEN3_5 = dict(
-    SMALL,
-    layer_types=["linear_attention", "full_attention"],
-    linear_key_head_dim=16,
-    linear_value_head_dim=16,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-)
+# A shrunken model so that a few training steps take well under a second. `corpus` and `tokenizer` are
+# conftest's (the tiny target's corpus cut to CORPUS_BYTES, and its tokenizer).
+SMALL = dict(SHRUNK, num_hidden_layers=2)
+SMALL_QWEN3_5 = dict(SMALL, **SHRUNK_LINEAR, layer_types=["linear_attention", "full_attention"])
 TRAIN = dict(steps=4, batch_size=2, seq_len=32)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return tiny_target.build_corpus(max_bytes=CORPUS_BYTES)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(corpus):
-    return tiny_target.train_tokenizer(corpus[0])
 
 
 @pytest.fixture(scope="module")
@@ -193,6 +175,7 @@ def test_default_configs_are_a_few_million_parameters(tokenizer):
         assert config.num_key_value_heads < config.num_attention_heads  # GQA
 
 
+@pytest.mark.slow  # trains a model
 def test_training_is_deterministic_and_reports_stats(tokenizer, corpus, qwen3_model):
     model, stats = tiny_target.train_target(tokenizer, corpus[0], arch="qwen3", **TRAIN, **SMALL)
     for (name, a), (_, b) in zip(model.state_dict().items(), qwen3_model.state_dict().items()):
@@ -206,6 +189,7 @@ def test_training_is_deterministic_and_reports_stats(tokenizer, corpus, qwen3_mo
     assert other_seed.loss_curve != stats.loss_curve
 
 
+@pytest.mark.slow  # trains a model
 def test_training_lowers_the_loss(tokenizer, corpus):
     # a higher learning rate than the default: the shrunken model has 30 steps to show progress
     _, stats = tiny_target.train_target(

@@ -153,7 +153,7 @@ def test_through_a_relay_the_run_folder_config_is_used_and_links_are_one_checkpo
 
 
 def test_a_specforge_step_without_any_config_asks_for_one(saves, tmp_path, prefect_api_url):
-    from dflash_eval.flows.evaluate import InputError
+    from dflash_eval.flows.checks import InputError
 
     with pytest.raises(InputError, match="has no config.json.*--drafter-config FILE"):
         evaluate(saves, saves["step"], tmp_path / "store")

@@ -12,8 +12,9 @@ generated (SGLang's `output_ids`, vLLM's `return_token_ids`). A server that retu
 text re-tokenised with the target's tokenizer, and the round trip is verified (decoding the ids gives
 the text back); a reference whose round trip fails is kept but marked unverified.
 
-HTTP: a bounded pool of connections, timeouts, retries with exponential backoff on connection
-errors, timeouts and 5xx answers; a 4xx answer is a clear error at once (retrying cannot fix it).
+HTTP: a bounded pool of connections, timeouts, and urllib3's `Retry` on it: connection errors, timeouts
+and 5xx answers are retried with exponential backoff (a Retry-After is waited for instead); a 4xx
+answer is a clear error at once (retrying cannot fix it).
 Before any work, `check_matches` compares the server's tokenizer with the target's on a probe
 prompt, and the server's model identity becomes part of the references' key.
 
@@ -32,7 +33,6 @@ the backend's identity: the same model behind a key gives the same references.
 
 import os
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -40,6 +40,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import requests
+from urllib3.util.retry import Retry
 
 from ..decoding import greedy_decode
 
@@ -55,6 +56,10 @@ PROBE_TEXT = "Speculative decoding drafts 8 tokens; the target verifies them: de
 # run's thousands, and long enough that two models of one tokenizer rarely agree on all of them.
 FINGERPRINT_TEXTS = ("def fingerprint(model):\n    return", "The quick brown fox jumps over", "1, 2, 3, 5, 8, 13,")
 FINGERPRINT_TOKENS = 16
+# Answers a retry may fix: the server's own errors, and a busy one's 503 (its Retry-After is waited for).
+RETRY_STATUSES = frozenset(range(500, 600))
+# Generation at temperature 0 gives the same answer however often it is asked, so POSTs are retried too.
+RETRY_METHODS = frozenset({"GET", "POST"})
 
 
 class BackendError(RuntimeError):
@@ -117,7 +122,12 @@ class LocalBackend:
 
 class HTTPBackend:
     """What the server backends share: the connection pool (one session, which carries the API key
-    if there is one), retries, and the tokenizer check."""
+    if there is one, for every request), retries, and the tokenizer check.
+
+    retries: attempts after the first, for connection errors, timeouts and 5xx answers. backoff:
+    urllib3's backoff factor: the first retry goes at once, the second after 2 * backoff seconds, each
+    next one after twice as long.
+    """
 
     def __init__(self, base_url: str, tokenizer, concurrency: int = 8, timeout: float = 600.0,
                  retries: int = 4, backoff: float = 0.5, api_key: str | None = None):
@@ -126,9 +136,11 @@ class HTTPBackend:
         self.concurrency = concurrency
         self.timeout = timeout
         self.retries = retries
-        self.backoff = backoff
         self.session = requests.Session()
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency)
+        # raise_on_status=False: the last 5xx answer comes back, so the error can quote the server
+        retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=RETRY_STATUSES,
+                      allowed_methods=RETRY_METHODS, raise_on_status=False)
+        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency, max_retries=retry)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
         self.has_api_key = bool(api_key)
@@ -136,31 +148,28 @@ class HTTPBackend:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
 
     def request(self, method: str, path: str, payload: dict | None = None, base_url: str | None = None) -> dict:
-        """JSON answer of the server (at base_url + path; default this backend's base URL),
-        retrying what a retry can fix."""
+        """JSON answer of the server (at base_url + path; default this backend's base URL), after the
+        session's retries of what a retry can fix."""
         url = f"{base_url or self.base_url}{path}"
-        for attempt in range(self.retries + 1):
-            try:
-                response = self.session.request(method, url, json=payload, timeout=(10.0, self.timeout))
-            except (requests.ConnectionError, requests.Timeout) as e:
-                problem = f"{type(e).__name__}: {e}"
-            else:
-                if response.status_code < 400:
-                    try:
-                        return response.json()
-                    except ValueError:
-                        raise BackendError(f"{url} answered {response.status_code} with a body that is not JSON: "
-                                           f"{response.text[:200]!r}") from None
-                if response.status_code in (401, 403):
-                    raise BackendError(self._refused_key_message(url, response))
-                if response.status_code < 500:
-                    raise BackendError(f"{url} refused the request with {response.status_code}: "
-                                       f"{_error_message(response)}")
-                problem = f"HTTP {response.status_code}: {_error_message(response)}"
-            if attempt < self.retries:
-                time.sleep(self.backoff * 2**attempt)
-        raise BackendError(f"{url} failed {self.retries + 1} times, last: {problem}. Is the server up? Rerun the "
-                           f"same command when it is: finished references are kept")
+        try:
+            response = self.session.request(method, url, json=payload, timeout=(10.0, self.timeout))
+        except (requests.ConnectionError, requests.Timeout) as e:
+            raise BackendError(self._failed_message(url, f"{type(e).__name__}: {e}")) from None
+        if response.status_code >= 500:
+            raise BackendError(self._failed_message(url, f"HTTP {response.status_code}: {_error_message(response)}"))
+        if response.status_code in (401, 403):
+            raise BackendError(self._refused_key_message(url, response))
+        if response.status_code >= 400:
+            raise BackendError(f"{url} refused the request with {response.status_code}: {_error_message(response)}")
+        try:
+            return response.json()
+        except ValueError:
+            raise BackendError(f"{url} answered {response.status_code} with a body that is not JSON: "
+                               f"{response.text[:200]!r}") from None
+
+    def _failed_message(self, url: str, problem: str) -> str:
+        return (f"{url} failed {self.retries + 1} times, last: {problem}. Is the server up? Rerun the same command "
+                "when it is: finished references are kept")
 
     def _refused_key_message(self, url: str, response: requests.Response) -> str:
         answer = f"{url} answered {response.status_code}: {_error_message(response)}"

@@ -110,11 +110,10 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding import greedy_decode
-from ..target import load_target, read_target_config
+from ..target import DTYPES, load_target, read_target_config
 
 logger = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAULTS = ("drop", "500", "stall")
 OPENAI_STYLES = ("vllm", "sglang")
 OPEN_PATHS = ("/health", "/metrics")  # SGLang: reachable without the API key (path prefixes)

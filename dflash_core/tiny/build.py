@@ -33,6 +33,7 @@ from . import target as tiny_target, training as drafter_training
 from ..drafter import load_drafter
 from .training import DrafterTrainingSettings, train_drafter
 from ..features import extract_features
+from ..metrics import tau_macro
 from ..replay import Reference
 from ..target import Target
 
@@ -145,8 +146,7 @@ def tau_of(drafter_dir: Path, target: Target, references, feats, sliding_semanti
     """Macro tau (mean over prompts of each prompt's mean acceptance length) of a drafter checkpoint."""
     model = load_drafter(drafter_dir, sliding_semantics=sliding_semantics)
     results = replay.replay(model, target.embed_weight, target.head_weight, references, feats)
-    per_prompt = [sum(r.acceptance_lengths) / len(r.acceptance_lengths) for r in results if r.acceptance_lengths]
-    return sum(per_prompt) / len(per_prompt)
+    return tau_macro([r for r in results if r.acceptance_lengths])
 
 
 def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(),

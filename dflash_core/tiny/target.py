@@ -24,7 +24,6 @@ is reproducible on one machine, not bit-identical across CPU kernels).
 import ast
 import functools
 import hashlib
-import math
 import random
 import sysconfig
 import time
@@ -43,6 +42,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from .training import learning_rate
 
 # Top-level standard library modules the corpus is read from: general-purpose, pure-Python
 # code with docstrings. Modules that later Python versions removed or turned into packages
@@ -414,14 +415,6 @@ class TrainStats:
     loss_curve: list[float]  # mean training loss of each tenth of the steps (fewer points for < 10 steps)
 
 
-def _learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
-    """Linear warmup to `peak`, then cosine decay to peak / 10."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    progress = (step - warmup) / max(1, steps - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
 def _tenths(values: list[float]) -> list[float]:
     """Means of `values` over ten consecutive, near-equal parts (one part per value if fewer)."""
     parts = min(10, len(values))
@@ -505,7 +498,7 @@ def train_target(
     losses = []
     for step in range(steps):
         for group in optimizer.param_groups:
-            group["lr"] = _learning_rate(step, steps, lr, warmup)
+            group["lr"] = learning_rate(step, steps, lr, warmup)
         starts = torch.randint(0, len(train_ids) - seq_len - 1, (batch_size,), generator=generator)
         batch = _windows(train_ids, starts, seq_len + 1)
         logits = model(input_ids=batch[:, :-1], use_cache=False).logits

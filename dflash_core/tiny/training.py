@@ -38,6 +38,15 @@ class DrafterTrainingSettings:
     seed: int = 0
 
 
+def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
+    """The learning rate at 0-based `step` of `steps`: linear warmup to `peak` over `warmup` steps,
+    then cosine decay to peak / 10 (the tiny target's and the drafter's training share it)."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 def init_drafter(raw_config: dict, seed: int = 0, sliding_semantics: str = "causal") -> DFlashDrafter:
     """A freshly initialised drafter (normal(0, 0.02) projections, unit norms), float32."""
     torch.manual_seed(seed)
@@ -118,18 +127,12 @@ def train_drafter(
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
 
-    def lr_at(step):  # linear warmup, cosine to 10%
-        if step < settings.warmup_steps:
-            return settings.lr * (step + 1) / settings.warmup_steps
-        progress = (step - settings.warmup_steps) / max(1, settings.steps - settings.warmup_steps)
-        return settings.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
     generator = torch.Generator().manual_seed(settings.seed)
     out_dir = Path(out_dir)
     saved, started, running = [], time.perf_counter(), None
     for step in range(1, settings.steps + 1):
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(step - 1)
+            group["lr"] = learning_rate(step - 1, settings.steps, settings.lr, settings.warmup_steps)
         pick = [usable[j] for j in torch.randint(len(usable), (settings.sequences_per_step,), generator=generator)]
         loss = block_loss(drafter, embed, head, [tokens[i] for i in pick], [features[i].float() for i in pick],
                           [references[i].prompt_len for i in pick], settings.anchors_per_sequence,

@@ -7,8 +7,10 @@
 
 `download` writes each file to `dest/.partial/<name>`, resumes an existing partial file with a
 Range request (a resume refused with 416 starts the file over), verifies its sha256 and only then
-renames it to `dest/<name>`: `dest/<name>` is always a complete, verified file. A busy relay's 503
-and other 5xx answers are retried with backoff. A killed or failed download is resumed by running it again.
+renames it to `dest/<name>`: `dest/<name>` is always a complete, verified file. Every request is
+retried by urllib3's `Retry` on the session (connection errors, timeouts, 5xx answers, a busy relay's
+503 after its Retry-After); a download cut mid-file is resumed from where it stopped, up to `retries`
+times. A killed or failed download is resumed by running it again.
 The caller moves the finished directory into place (the `.partial/` folder is empty then).
 
 Imports neither Prefect nor dflash_core.
@@ -28,6 +30,7 @@ from urllib.parse import quote, urlencode, urlsplit
 import requests
 import urllib3
 from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
 
 from ..hashing import file_sha256, key_of
 
@@ -35,6 +38,8 @@ API = "/v1"
 PARTIAL_DIRNAME = ".partial"
 CHUNK_BYTES = 4 << 20  # per read: fewer, larger sha256 updates and writes (measured 12% less CPU than 1 MiB)
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+# The relay's own errors, an upstream failure (502) and a busy relay's 503 (with Retry-After) may pass.
+RETRY_STATUSES = frozenset(range(500, 600))
 
 
 class RelayError(Exception):
@@ -122,8 +127,9 @@ def validate_manifest(manifest: Any, source: str) -> dict:
     return manifest
 
 
-class _Retry(Exception):
-    """A transient failure (connection, timeout, 5xx, short body): retry with backoff, resuming."""
+class _Resume(Exception):
+    """A download that stopped short of its file (a cut connection, a short body, a refused resume):
+    ask again from where it stopped."""
 
 
 class RelayClient:
@@ -131,9 +137,12 @@ class RelayClient:
 
     timeout: seconds to connect and between received bytes. The manifest request may wait longer
     (`manifest_timeout`): a relay hashes a checkpoint once, on its first manifest request.
-    retries: failed attempts per request or file after the first; an attempt that moved at least
+    retries: attempts after the first, per request (urllib3's `Retry`: connection errors, timeouts,
+    5xx) and per file for resuming a cut download; a resume attempt that moved at least
     `PROGRESS_RESETS_RETRIES` bytes resets the count (a long transfer over a flaky link goes on).
-    backoff: seconds before the first retry, doubled after each.
+    backoff: seconds; urllib3's backoff factor for requests (the first retry at once, the second after
+    2 * backoff, each next one after twice as long; a Retry-After instead where the relay sends one),
+    and the wait before the first resume of a download, doubled after each.
     """
 
     PROGRESS_RESETS_RETRIES = 64 << 20
@@ -157,8 +166,12 @@ class RelayClient:
         self.backoff = backoff
         self.manifest_timeout = max(timeout, manifest_timeout)
         self._session = requests.Session()
-        self._session.mount("http://", HTTPAdapter(pool_maxsize=32))
-        self._session.mount("https://", HTTPAdapter(pool_maxsize=32))
+        # raise_on_status=False: the last 5xx answer comes back, so the error can quote the relay
+        retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=RETRY_STATUSES,
+                      allowed_methods=frozenset({"GET"}), raise_on_status=False)
+        adapter = HTTPAdapter(pool_maxsize=32, max_retries=retry)
+        self._session.mount("http://", adapter)
+        self._session.mount("https://", adapter)
         if token:
             self._session.headers["Authorization"] = f"Bearer {token}"
 
@@ -196,29 +209,21 @@ class RelayClient:
         if status == 409:  # the checkpoint exists but is still being written: worth waiting for
             retry_after = response.headers.get("Retry-After")
             raise RelayError(f"{what}: {detail}", status, detail, {"Retry-After": retry_after} if retry_after else None)
-        if status >= 500:
-            raise _Retry(f"{what}: HTTP {status} from {self.base_url}: {detail}")
+        if status >= 500:  # what the session's retries left
+            raise RelayError(f"{what}: HTTP {status} from {self.base_url} after {self.retries + 1} attempts: {detail}",
+                             status, detail)
         raise RelayError(f"{what}: HTTP {status} from {self.base_url}: {detail}", status, detail)
 
-    def _sleep(self, failures: int) -> None:
-        time.sleep(self.backoff * (2 ** (failures - 1)))
-
     def _get(self, url: str, what: str, path: str | None, timeout: float) -> requests.Response:
-        """GET `url`, retrying transient failures (connection, timeout, 5xx such as a busy relay's 503)."""
-        failures = 0
-        while True:
-            try:
-                response = self._session.get(url, timeout=(self.timeout, timeout))
-                self._raise_for(response, what, path)
-                return response
-            except (requests.ConnectionError, requests.Timeout, _Retry) as e:
-                failures += 1
-                if failures > self.retries:
-                    raise RelayError(
-                        f"{what}: {self.base_url} unreachable after {failures} attempts ({e}); "
-                        "check that the relay runs and the URL"
-                    ) from e
-                self._sleep(failures)
+        """GET `url` (the session retries connection errors, timeouts and 5xx); RelayError when it
+        fails all the same or the relay refuses."""
+        try:
+            response = self._session.get(url, timeout=(self.timeout, timeout))
+        except (requests.ConnectionError, requests.Timeout) as e:
+            raise RelayError(f"{what}: {self.base_url} unreachable after {self.retries + 1} attempts ({e}); "
+                             "check that the relay runs and the URL") from e
+        self._raise_for(response, what, path)
+        return response
 
     def _get_json(self, url: str, what: str, path: str | None, timeout: float) -> Any:
         response = self._get(url, what, path, timeout)
@@ -385,20 +390,25 @@ class RelayClient:
         if have == size and partial.exists():
             hash_up_to(have)
             return hasher.hexdigest()
+        what = f"downloading {name} of {path}"
         while have < size or not partial.exists():
+            headers = {"Range": f"bytes={have}-"} if have else {}
+            try:
+                r = self._session.get(url, headers=headers, stream=True, timeout=(self.timeout, self.timeout))
+            except (requests.ConnectionError, requests.Timeout) as e:  # after the session's retries
+                raise self._download_failed(what, self.retries + 1, e, have, partial) from e
             moved = 0
             try:
-                headers = {"Range": f"bytes={have}-"} if have else {}
-                with self._session.get(url, headers=headers, stream=True, timeout=(self.timeout, self.timeout)) as r:
+                with r:
                     if r.status_code == 416:
                         # The relay's file is shorter than the partial one: start again from scratch.
                         partial.unlink(missing_ok=True)
-                        raise _Retry(f"{name}: the relay refused to resume at byte {have}; starting over")
-                    self._raise_for(r, f"downloading {name} of {path}", path)
+                        raise _Resume(f"{name}: the relay refused to resume at byte {have}; starting over")
+                    self._raise_for(r, what, path)
                     if have and r.status_code == 206:
                         start = _content_range_start(r.headers.get("Content-Range"))
                         if start != have:
-                            raise _Retry(f"{name}: asked to resume at byte {have}, got {r.headers.get('Content-Range')!r}")
+                            raise _Resume(f"{name}: asked to resume at byte {have}, got {r.headers.get('Content-Range')!r}")
                         mode = "ab"
                     else:  # 200: the whole file (also from a relay that ignores Range)
                         mode = "wb"
@@ -408,7 +418,7 @@ class RelayClient:
                     with open(partial, mode) as f:
                         for chunk in _body_chunks(r):
                             if have + len(chunk) > size:
-                                raise _Retry(f"{name}: the relay sent more than the manifest's {size} bytes")
+                                raise _Resume(f"{name}: the relay sent more than the manifest's {size} bytes")
                             f.write(chunk)
                             hasher.update(chunk)
                             hashed += len(chunk)
@@ -417,20 +427,25 @@ class RelayClient:
                             counted += len(chunk)
                             advance(len(chunk))
                     if have < size:
-                        raise _Retry(f"{name}: connection ended at byte {have} of {size}")
+                        raise _Resume(f"{name}: connection ended at byte {have} of {size}")
                     return hasher.hexdigest()
-            except (requests.RequestException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, _Retry) as e:
+            # the body, cut: requests' and urllib3's errors while reading it, or a short one
+            except (requests.RequestException, urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, _Resume) as e:
                 if moved >= self.PROGRESS_RESETS_RETRIES:
                     failures = 0
                 failures += 1
                 have = on_disk()
                 if failures > self.retries:
-                    raise RelayError(
-                        f"downloading {name} of {path} from {self.base_url} failed {failures} times ({e}); "
-                        f"the {have} bytes received are kept in {partial} and resumed by running it again"
-                    ) from e
+                    raise self._download_failed(what, failures, e, have, partial) from e
                 self._sleep(failures)
 
+    def _sleep(self, failures: int) -> None:
+        """The wait before resuming a cut download for the `failures`-th time."""
+        time.sleep(self.backoff * (2 ** (failures - 1)))
+
+    def _download_failed(self, what: str, attempts: int, error: Exception, have: int, partial: Path) -> RelayError:
+        return RelayError(f"{what} from {self.base_url} failed {attempts} times ({error}); the {have} bytes "
+                          f"received are kept in {partial} and resumed by running it again")
 
 def _body_chunks(response: requests.Response):
     """The body as it arrives. `read1` hands over every byte received before a connection drops

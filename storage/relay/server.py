@@ -5,17 +5,17 @@ relay in between, started with `upstream=`, which pulls each file through once a
 
 What is a checkpoint
     A directory at any depth under the served DIR that holds drafter weights in a layout that
-    `dflash_eval.storage.checkpoint` knows: a `save_pretrained` folder (model.safetensors or an index and its
+    `dflash_core.checkpoint_files` knows: a `save_pretrained` folder (model.safetensors or an index and its
     shards, SpecForge's older `epoch_E_step_S/` too) or SpecForge's `{run_id}-stepN/` with its
     `training_state.pt`. Its relay path is its directory relative to DIR in POSIX form
-    (`run1/step_1000`); its step comes from `dflash_eval.storage.checkpoint.training_step`. Directories whose
+    (`run1/step_1000`); its step comes from `dflash_core.checkpoint_files.training_step`. Directories whose
     name starts with '.' are not searched. A symlinked directory inside DIR (SpecForge's
     `{run_id}-latest`, `-best`) is not listed, and a manifest asked through it is the manifest of
     the directory it points to, under that directory's path: the same checkpoint, never a second.
 
 What is sent (only what evaluation needs)
     The manifest lists, hashes and totals only the files the drafter needs
-    (`dflash_eval.storage.checkpoint.checkpoint_files`: config, weights, trainer_state.json), plus those
+    (`dflash_core.checkpoint_files.checkpoint_files`: config, weights, trainer_state.json), plus those
     matching `?include=PATTERN` (repeatable). Optimizer, scheduler, RNG and per-rank state are
     never hashed; a client downloads the files of its manifest. A checkpoint without config.json
     whose parent folder (its run) holds one gets that one, named config.json, with
@@ -26,7 +26,7 @@ When a checkpoint is listed (settle rule)
     recognised otherwise: it is listed (and served) only when every regular file directly in it,
     hidden ones included (temp files), was last modified at least `settle_seconds` ago, no
     temporary file of a weight file is there, every shard an index names exists and every weight
-    file is whole (`dflash_eval.storage.checkpoint.not_ready`). Asked for meanwhile, its manifest and files
+    file is whole (`dflash_core.checkpoint_files.not_ready`). Asked for meanwhile, its manifest and files
     answer 409 with Retry-After (a client waits and asks again), where an unknown path answers
     404; a settled checkpoint whose weights are not whole answers 422. The downloads are verified
     by sha256 against the manifest either way.
@@ -72,7 +72,7 @@ Security (what is guaranteed)
       reported when the file hashed (by its resolved path inside DIR) is, before and after hashing,
       the same inode of the same size and mtime as the checked open file (else 409: ask again); only
       a directory replaced by a link and put back while it is hashed could slip a digest past that.
-      Left: `dflash_eval.storage.checkpoint` itself reads weight headers, step numbers and index files by path
+      Left: `dflash_core.checkpoint_files` itself reads weight headers, step numbers and index files by path
       while it decides whether a folder is a finished checkpoint; the relay hands it resolved paths
       inside DIR, so only a directory swapped for a link during that read could make a 409/422
       message or a step number describe a file outside DIR.
@@ -89,7 +89,7 @@ Security (what is guaranteed)
 Why http.server and not Starlette/uvicorn
     Prefect installs Starlette (1.10 here) and uvicorn (0.54), and Starlette's FileResponse does
     ranges. The relay stays on the stdlib because (1) it runs on training boxes with a minimal
-    install (this module, `dflash_eval.storage.checkpoint`, `dflash_eval.storage.hashing`, requests for the client):
+    install (this module, `dflash_core.checkpoint_files`, `dflash_eval.storage.hashing`, requests for the client):
     Starlette and uvicorn would become hard dependencies of the relay that dflash-eval only has
     through Prefect today; (2) FileResponse would not fix the race: it stats a path and opens it
     again by name when sending, so the open-then-check-the-descriptor logic and the Content-Length
@@ -102,7 +102,7 @@ Why http.server and not Starlette/uvicorn
 Digests are computed once per file (DigestCache in `state_dir/digests.json`, keyed by path, size
 and mtime). A pull-through relay caches files in `state_dir/cache/<path>/<name>`.
 
-Imports neither Prefect nor dflash_core.
+Imports no Prefect, and of dflash_core only `dflash_core.checkpoint_files` (files alone, no torch).
 """
 
 import errno
@@ -127,11 +127,9 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import parse_qs, unquote
 
-from ..checkpoint import (
+from dflash_core.checkpoint_files import (
     CONFIG,
-    INDEX,
-    TRAINING_STATE,
-    WEIGHTS,
+    WEIGHT_FILE_NAMES,
     CheckpointBroken,
     CheckpointFiles,
     NotACheckpoint,
@@ -139,6 +137,7 @@ from ..checkpoint import (
     not_ready,
     training_step,
 )
+
 from ..hashing import DigestCache, key_of
 from ..records import read_json, write_json_atomic
 from .client import RelayClient, RelayError, validate_manifest
@@ -589,7 +588,7 @@ class RelayServer:
                 files[name] = Path(self._stat_local(path)[0])
             except _NotServable:
                 continue
-        if not any(n in files for n in found.weight_files):
+        if not any(n in files for n in found.weight_names):
             return None
         return replace(found, files=files, config_source=found.config_source if CONFIG in files else None)
 
@@ -625,8 +624,7 @@ class RelayServer:
         except CheckpointBroken as e:
             raise _HTTPError(422, f"checkpoint {path} is broken: {e}; the trainer's save did not complete")
         except NotACheckpoint:
-            raise _HTTPError(404, f"no checkpoint {path}: the folder holds no drafter weights "
-                                  f"({WEIGHTS}, {INDEX} or {TRAINING_STATE})")
+            raise _HTTPError(404, f"no checkpoint {path}: the folder holds no drafter weights ({WEIGHT_FILE_NAMES})")
         except FileNotFoundError:
             return None
         if pending is not None:

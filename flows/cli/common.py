@@ -1,0 +1,65 @@
+"""What the commands share besides options: one-line errors, thread budgets, token files, results files and
+the report server. Imports neither torch nor Prefect (each helper imports what it needs when called)."""
+
+import json
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+
+from dflash_eval.flows.report_server import PortInUse, ReportServer
+from dflash_eval.storage.tokens import TokenFileError, read_token_file
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """One line on stderr, and the exit code (2: bad input or a condition the user must fix; nothing half done)."""
+    typer.secho(f"error: {message}", err=True, fg="red")
+    raise typer.Exit(code)
+
+
+def configure_threads(threads: int | None) -> None:
+    """This process's thread budget, set before anything computes (tasks/threads.py)."""
+    from dflash_eval.tasks.threads import configure_threads as configure
+
+    configure(threads)
+
+
+def decoding_threads(target: str) -> int:
+    """Threads for greedy decoding of `target` (one token per forward) on this machine by default."""
+    from dflash_eval.tasks.threads import checkpoint_parameters, default_threads, threads_for
+
+    return threads_for(checkpoint_parameters(target), default_threads())
+
+
+def token_from_file(token_file: str | None, option: str) -> str | None:
+    """The token a file given by `option` holds (None: no file given), or one line saying why not (exit 2)."""
+    if token_file is None:
+        return None
+    try:
+        return read_token_file(token_file, option)
+    except TokenFileError as e:
+        fail(str(e))
+
+
+def write_results(results: dict | list, out: Path | None) -> None:
+    """Write the results JSON to `out` (if given), or one line saying why not (exit 2)."""
+    if out is None:
+        return
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1))
+    except OSError as e:  # checked up front; what is left: the disk filled, or someone changed the folder meanwhile
+        stored = ("; the results are in the store: the same command with another --out writes them without "
+                  "recomputing anything") if isinstance(results, dict) and "store" in results else ""
+        fail(f"cannot write {out}: {e.strerror}{stored}")
+    typer.echo(f"results: {out}")
+
+
+def bind_report_server(folder: Path, host: str, port: int, port_option: str) -> ReportServer:
+    """A ReportServer of `folder` bound to host:port, or one line saying why not (exit 2)."""
+    try:
+        return ReportServer(folder, host=host, port=port)
+    except PortInUse as e:
+        fail(f"cannot serve the report: {e.strerror}; choose another port with {port_option} (0: any free one)")
+    except OSError as e:  # an address this machine does not have, a port below 1024, ...
+        fail(f"cannot serve the report on {host}:{port}: {e.strerror or e}")

@@ -1,0 +1,214 @@
+"""Evaluations by hand: `run`, `stage` and `demo`, each a run of the evaluate-checkpoint flow in this process."""
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dflash_eval.flows.store_paths import is_storage_full, storage_full_message, store_root
+
+from .common import configure_threads, fail, write_results
+from .options import Baseline, ByHand, Drafter, Inputs, Settings, Stage, StoreRoot, Threads, example, option_groups
+
+app = typer.Typer()
+
+
+def evaluate(parameters: dict, temperature: float = 0.0, out: Path | None = None) -> dict:
+    """Check the inputs and the results file `out` (one clear error, nothing written), then run the flow with
+    these parameters."""
+    configure_threads(parameters.get("threads"))
+    from dflash_core.drafter import DrafterError
+    from dflash_core.reference.backends import BackendError
+    from dflash_eval.flows.checks import InputError, check_out, checked_before_run
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from dflash_eval.tasks.fetch import CheckpointError
+
+    try:
+        check_out(out)
+        with checked_before_run(evaluate_checkpoint, parameters, temperature):
+            if _local_server_needed():  # after the checks: bad input costs no server start-up
+                from dflash_eval.flows.local_server import tie_local_server  # imports Prefect's server (~1 s): only to start one
+
+                tie_local_server()
+            # errors handled below get one line, so Prefect's console tracebacks of them are left out
+            explained = (InputError, DrafterError, CheckpointError, BackendError)
+            with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
+                    _heartbeats_unless_asked():
+                return evaluate_checkpoint(**parameters)
+    # CheckpointError: fetch refused what it got; BackendError: a reference server failed, refused or changed
+    except (InputError, DrafterError, CheckpointError, BackendError) as e:
+        fail(str(e))
+    except OSError as e:
+        if not is_storage_full(e):
+            raise
+        fail(storage_full_message(e, store_root(parameters.get("store"))))
+
+
+@contextmanager
+def _heartbeats_unless_asked() -> Iterator[None]:
+    """Flow runs started here send no heartbeats unless $PREFECT_FLOWS_HEARTBEAT_FREQUENCY asks for them. They
+    only serve a server-side automation that marks runs whose process died as crashed (none by default), and
+    stopping the heartbeat thread, which sleeps in 1 s steps, cost each run 0.75 s after its end. Deployment
+    runs are started by a runner, which sets their heartbeats itself."""
+    if "PREFECT_FLOWS_HEARTBEAT_FREQUENCY" in os.environ:
+        yield
+        return
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
+        yield
+
+
+def _local_server_needed() -> bool:
+    """Whether flows in this process run against Prefect's temporary local server (no PREFECT_API_URL)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    return not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value()
+
+
+@contextmanager
+def _console_tracebacks_hidden(explained: Callable[[BaseException], bool]) -> Iterator[None]:
+    """Prefect logs a failed task's and flow's traceback on the console; for an error this command explains in
+    one line, the console shows Prefect's one-line summaries only. The run logs keep the tracebacks: Prefect's
+    API handler (prefect.flow_runs, prefect.task_runs) formats a record before the root logger's console
+    handler, where this filter sits, sees it."""
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    def drop_traceback(record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None and explained(record.exc_info[1]):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    for handler in consoles:
+        handler.addFilter(drop_traceback)
+    try:
+        yield
+    finally:
+        for handler in consoles:
+            handler.removeFilter(drop_traceback)
+
+
+def _print_results(results: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"drafter {Path(results['drafter']['source']).name}", show_header=True)
+    for column in ("stage", "status", "key"):
+        table.add_column(column)
+    for stage, status in results["stages"].items():
+        table.add_row(stage, status, results["keys"][stage][:12])
+    console = Console()
+    console.print(table)
+    if "tau_macro" in results:
+        low, high = results["tau_macro_ci95"]
+        console.print(
+            f"tau macro {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f} "
+            f"(block {results['block_size']}, {results['n_scored_prompts']} prompts, {results['n_steps']} steps, "
+            f"{results['clipped_last_steps']} clipped last steps; {results['sliding_semantics']} sliding layers)"
+        )
+    if "all_positions_tau" in results:
+        console.print(f"all positions: mean acceptance length {results['all_positions_tau']:.3f}")
+    if "baseline" in results:
+        b = results["baseline"]
+        console.print(f"baseline {b['source']}: tau macro {b['tau_macro']:.3f} "
+                      f"(95% CI {b['tau_macro_ci95'][0]:.2f}-{b['tau_macro_ci95'][1]:.2f})")
+    if "diagnostics" in results:
+        _print_diagnostics(console, results["diagnostics"])
+
+
+def _print_diagnostics(console, d: dict) -> None:
+    ablation = ", ".join(f"layer {a['layer_id']}: {a['tau_macro']:.2f}" for a in d["layer_ablation"])
+    console.print(f"ablation (one layer's features zeroed): {ablation}; all layers: {d['all_layers_ablated']:.2f}")
+    probe = ", ".join(f"{p['offset']:+d}: {p['tau_macro']:.2f}" for p in d["layer_offset_probe"] if p["tau_macro"] is not None)
+    peak = max((p for p in d["layer_offset_probe"] if p["tau_macro"] is not None), key=lambda p: p["tau_macro"])
+    console.print(f"layer-offset probe (tau with layers id+offset): {probe}"
+                  + ("" if peak["offset"] == 0 else f"  <- peaks at {peak['offset']:+d}: were the training features "
+                     f"taken from layers {peak['layer_ids']}?"))
+    if d["sliding_switch"]:
+        sw = d["sliding_switch"]
+        console.print(f"sliding semantics {sw['to']} instead of {sw['from']}: tau {sw['tau_macro']:.2f}")
+    for divergence in d["first_divergence"][:3]:
+        console.print(f"first divergence in {divergence['id']} at completion token {divergence['position']}: "
+                      f"after {divergence['context']!r} drafted {divergence['drafted']!r}, "
+                      f"reference {divergence['reference']!r}", markup=False)
+
+
+def _evaluate_by_hand(drafter: str, inputs: Inputs, by_hand: ByHand, settings: Settings, **parameters) -> None:
+    """`run` and `stage`: evaluate, print what it found, write the results JSON."""
+    results = evaluate({"drafter": drafter, "target": inputs.target, "prompts": inputs.prompts, "store": inputs.store,
+                        "max_new_tokens": inputs.max_new_tokens, **by_hand.parameters(), **settings.parameters(),
+                        **parameters}, temperature=by_hand.temperature, out=by_hand.out)
+    _print_results(results)
+    write_results(results, by_hand.out)
+
+
+@app.command(epilog=example("dflash-eval run --target runs/tiny/target", "--drafter runs/tiny/drafter/step_400",
+                            "--prompts runs/tiny/prompts.jsonl --out results.json"))
+@option_groups
+def run(
+    drafter: Drafter, inputs: Inputs, by_hand: ByHand, settings: Settings, baseline: Baseline = None,
+    report_dir: Annotated[str | None, typer.Option("--report-dir", help="Where the report is rewritten after "
+                                                   "scoring (default <store>/report).")] = None,
+    diagnostics: Annotated[bool, typer.Option("--diagnostics", help="Also run the diagnostics: layer ablation, "
+                                              "layer-offset probe, sliding switch, first divergences (drafter replays "
+                                              "only).")] = False,
+    all_positions: Annotated[bool, typer.Option("--all-positions", help="Also score a block drafted at every position "
+                                                "(all_positions_tau: every position weighed once, as training losses "
+                                                "do).")] = False,
+):
+    """Evaluate a drafter checkpoint: tau on the prompts, computing only what the store lacks."""
+    _evaluate_by_hand(drafter, inputs, by_hand, settings, baseline=baseline, report_dir=report_dir,
+                      until="diagnostics" if diagnostics else "scores", all_positions=all_positions)
+
+
+@app.command(epilog=example("dflash-eval stage features --refresh --target runs/tiny/target",
+                            "--drafter runs/tiny/drafter/step_400 --prompts runs/tiny/prompts.jsonl"))
+@option_groups
+def stage(
+    name: Annotated[Stage, typer.Argument(metavar="NAME", help="fetch, references, features, drafts, scores or "
+                                          "diagnostics.")],
+    drafter: Drafter, inputs: Inputs, by_hand: ByHand, settings: Settings,
+    refresh: Annotated[bool, typer.Option("--refresh", help="Recompute it even if the store has it.")] = False,
+):
+    """Run one stage by hand (and the stages it needs, from the store when they are there)."""
+    _evaluate_by_hand(drafter, inputs, by_hand, settings, until=name.value, refresh=[name.value] if refresh else [])
+
+
+@app.command(epilog=example("dflash-eval demo --store .dflash-store --out demo-results"))
+def demo(
+    store: StoreRoot = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write each step's results JSON into this folder.")] = None,
+    threads: Threads = None,
+):
+    """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved
+    step through the full flow, print tau per step. No server, no GPU, no downloads."""
+    from dflash_core.tiny.build import default_cache_root, tiny_run
+    from dflash_eval.flows.checks import InputError, check_out
+
+    try:
+        check_out(out, folder=True)
+    except InputError as e:
+        fail(str(e))
+    configure_threads(threads)  # before a first demo trains the tiny models
+    tiny = tiny_run(default_cache_root(), log=typer.echo)
+    typer.echo(f"tiny run: {tiny.root}")
+    rows = []
+    for checkpoint in tiny.drafter_steps:
+        results = evaluate({"target": str(tiny.target_dir), "drafter": str(checkpoint),
+                            "prompts": str(tiny.prompts_file),
+                            "max_new_tokens": tiny.record["settings"]["max_new_tokens"], "store": store,
+                            "dtype": "float32", "device": "cpu", "sliding_semantics": "causal", "thinking": False,
+                            "threads": threads})
+        _print_results(results)
+        write_results(results, out / f"{checkpoint.name}.json" if out else None)
+        rows.append((checkpoint.name, results))
+    typer.echo("\nstep        tau macro  tau pooled  ran")
+    for name, results in rows:
+        ran = ", ".join(s for s, status in results["stages"].items() if status == "ran") or "nothing (all cached)"
+        typer.echo(f"{name:<10}  {results['tau_macro']:9.3f}  {results['tau_pooled']:10.3f}  {ran}")

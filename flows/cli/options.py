@@ -1,0 +1,196 @@
+"""The options several commands take, each defined once: their choices as Enums, their Annotated types, and
+the dataclasses that group them (`option_groups`). Imports neither torch nor Prefect: every command, `--help`
+and `notify` included, builds these before it runs.
+
+A value outside an option's choices gets the one line every refused input gets (`OneLineChoiceErrors`).
+"""
+
+import functools
+import inspect
+from dataclasses import MISSING, dataclass, fields
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, get_type_hints
+
+import typer
+from typer.core import TyperGroup
+
+from dflash_core.choices import AUTO_DTYPE, DTYPE_NAMES, SLIDING_SEMANTICS, STAGE_DTYPE_NAMES
+from dflash_eval.flows.choices import DEVICES, STAGES
+
+Stage = StrEnum("Stage", [(stage, stage) for stage in STAGES])  # what `stage NAME` runs
+Device = StrEnum("Device", [(device, device) for device in DEVICES])
+
+
+# From dflash_core.choices, which imports nothing: building the command line imports no torch (seconds, for every
+# command and every --help).
+Dtype = StrEnum("Dtype", [(name, name) for name in (AUTO_DTYPE, *STAGE_DTYPE_NAMES)])  # an evaluation's --dtype
+ServedDtype = StrEnum("ServedDtype", [(name, name) for name in (AUTO_DTYPE, *DTYPE_NAMES)])  # serve-reference's
+SlidingSemantics = StrEnum("SlidingSemantics", [(name, name) for name in SLIDING_SEMANTICS])
+
+
+# tests/test_cli.py checks these against DEFAULT_STEPS (dflash_core.tiny.target imports torch).
+class Arch(StrEnum):
+    """--arch of tiny build: the keys of dflash_core.tiny.target.DEFAULT_STEPS."""
+
+    qwen3 = "qwen3"
+    qwen3_5 = "qwen3_5"
+
+
+class OneLineChoiceErrors(TyperGroup):
+    """The root command group: a value outside an option's (or argument's) choices is refused with one line,
+    `error: --dtype must be one of auto, float32, bfloat16`, and exit code 2, as the input checks refuse
+    everything else (flows/checks.py), instead of typer's usage box."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as e:
+            choices = getattr(getattr(e.param, "type_descriptor", None), "choices", None)
+            if not choices:
+                raise
+            name = e.param.opts[0] if e.param.param_type_name == "option" else e.param.metavar or e.param.name
+            typer.secho(f"error: {name} must be one of {', '.join(c.value for c in choices)}", err=True, fg="red")
+            raise typer.Exit(2) from None
+
+
+def example(*lines: str) -> str:
+    """A command's epilog: an example to copy and paste (lines after the first are continuations)."""
+    return "Example:\n\n" + " \\\n    ".join(lines)
+
+
+Target = Annotated[str, typer.Option("--target", help="Target model folder (Hugging Face format).")]
+Drafter = Annotated[str, typer.Option("--drafter", help="Drafter checkpoint folder (config.json + model.safetensors).")]
+Prompts = Annotated[str, typer.Option("--prompts", help="A suite (math, code, chat, multiturn) or a JSONL file: id + "
+                                      "one of text/messages/turns/input_ids, optional category.")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Greedy reference length limit per prompt.")]
+StoreRoot = Annotated[str | None, typer.Option("--store", help="Store root (default $DFLASH_STORE, else "
+                                               "./.dflash-store).")]
+DtypeOption = Annotated[Dtype, typer.Option("--dtype", help="auto (the target checkpoint's own dtype; a float16 one "
+                                            "computes in float32), float32 or bfloat16: target and drafter compute "
+                                            "dtype.")]
+DeviceOption = Annotated[Device, typer.Option("--device", help="cpu or cuda.")]
+SlidingOption = Annotated[SlidingSemantics, typer.Option(
+    "--sliding-semantics", help="Sliding drafter layers: causal (training, serving, current z-lab reference) or "
+    "non_causal (earlier z-lab reference); a config's is_causal overrides it.")]
+Thinking = Annotated[bool, typer.Option("--thinking/--no-thinking", help="enable_thinking in the chat template.")]
+Reference = Annotated[str, typer.Option("--reference", help="Greedy references from: local (the target here), "
+                                        "sglang+http://HOST:PORT or openai+http://HOST:PORT/v1.")]
+Lookahead = Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Keep B-1 greedy tokens past each "
+                                         "completion so the last step is scored against a whole block (default: "
+                                         "clipped, as online decoding).")]
+Concurrency = Annotated[int, typer.Option("--concurrency", help="Requests in flight to a reference server.")]
+Temperature = Annotated[float, typer.Option("--temperature", help="Only 0 (greedy): anything else is refused.")]
+Baseline = Annotated[str | None, typer.Option("--baseline", help="Another drafter (e.g. the published one for this "
+                                              "target) scored alongside: its own row in history and the report.")]
+RelayTokenFile = Annotated[str | None, typer.Option("--relay-token-file", help="File holding a relay's bearer token "
+                                                    "(else $DFLASH_RELAY_TOKEN), for --drafter http://RELAY/<path>.")]
+ReferenceApiKeyFile = Annotated[str | None, typer.Option(
+    "--reference-api-key-file", help="File holding the reference server's API key (else $DFLASH_REFERENCE_API_KEY), "
+    "sent as Authorization: Bearer.")]
+DrafterConfig = Annotated[str | None, typer.Option(
+    "--drafter-config", help="The drafter's config.json, for checkpoints saved without one (SpecForge's run-stepN "
+    "folders) whose run folder holds none either.")]
+Include = Annotated[list[str] | None, typer.Option(
+    "--include", help="Also fetch checkpoint files matching this pattern (repeatable); config, weights and "
+    "trainer_state.json always travel, optimizer state never unless named.")]
+CheckpointWait = Annotated[float, typer.Option("--checkpoint-wait", help="Seconds to wait for a checkpoint that is not "
+                                               "there yet or still being written, before failing.")]
+SettleSeconds = Annotated[float, typer.Option("--settle-seconds", envvar="DFLASH_SETTLE_SECONDS", help="A checkpoint "
+                                              "folder counts as finished once none of its files changed for this "
+                                              "long.")]
+Threads = Annotated[int | None, typer.Option(
+    "--threads", min=1, help="CPU threads torch computes with in this process (default: $OMP_NUM_THREADS, else this "
+    "machine's cores shared by the runs by hand computing on it at the time; ops of small models take fewer, where "
+    "that is faster; see tasks/threads.py).")]
+ResultsOut = Annotated[Path | None, typer.Option("--out", help="Write the results JSON here.")]
+
+
+class OptionGroup:
+    """A dataclass of options several commands take as one parameter (`option_groups`)."""
+
+
+@dataclass(frozen=True)
+class Inputs(OptionGroup):
+    """What checkpoints are evaluated on (run, stage, serve, watch)."""
+
+    target: Target
+    prompts: Prompts
+    store: StoreRoot = None
+    max_new_tokens: MaxNewTokens = 256
+
+
+@dataclass(frozen=True)
+class Settings(OptionGroup):
+    """How checkpoints are evaluated (run, stage, and serve, which fixes them in its deployments)."""
+
+    dtype: DtypeOption = Dtype.auto
+    device: DeviceOption = Device.cpu
+    sliding_semantics: SlidingOption = SlidingSemantics.causal
+    reference: Reference = "local"
+    reference_api_key_file: ReferenceApiKeyFile = None
+    concurrency: Concurrency = 8
+    drafter_config: DrafterConfig = None
+    include: Include = None
+    checkpoint_wait: CheckpointWait = 300.0
+    settle_seconds: SettleSeconds = 30.0
+
+    def parameters(self) -> dict:
+        """These as flow parameters: choices by name, files as absolute paths (flow runs may start elsewhere)."""
+        return {"dtype": self.dtype.value, "device": self.device.value, "sliding_semantics": self.sliding_semantics.value,
+                "reference": self.reference, "concurrency": self.concurrency,
+                "reference_api_key_file": absolute(self.reference_api_key_file) if self.reference_api_key_file else None,
+                "drafter_config": absolute(self.drafter_config) if self.drafter_config else None,
+                "include": self.include or None, "checkpoint_wait": self.checkpoint_wait,
+                "settle_seconds": self.settle_seconds}
+
+
+@dataclass(frozen=True)
+class ByHand(OptionGroup):
+    """What only an evaluation run by hand takes (run, stage)."""
+
+    thinking: Thinking = False
+    lookahead: Lookahead = False
+    temperature: Temperature = 0.0
+    relay_token_file: RelayTokenFile = None
+    threads: Threads = None
+    out: ResultsOut = None
+
+    def parameters(self) -> dict:
+        """The flow parameters among these (temperature is only checked, out only written)."""
+        return {"thinking": self.thinking, "lookahead": self.lookahead, "relay_token_file": self.relay_token_file,
+                "threads": self.threads}
+
+
+def option_groups(command):
+    """Let `command` take OptionGroup dataclasses as parameters: its command line shows each of their fields as
+    an option of its own (the field's Annotated type and default), and the command is called with the
+    dataclass. Options that several commands share are so declared once, with their defaults."""
+    hints = get_type_hints(command, include_extras=True)
+    groups, parameters = {}, []
+    for name, parameter in inspect.signature(command).parameters.items():
+        annotation = hints.get(name, parameter.annotation)
+        if isinstance(annotation, type) and issubclass(annotation, OptionGroup):
+            groups[name] = annotation
+            field_types = get_type_hints(annotation, include_extras=True)
+            parameters += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=field_types[f.name],
+                                             default=inspect.Parameter.empty if f.default is MISSING else f.default)
+                           for f in fields(annotation)]
+        else:
+            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=annotation))
+
+    @functools.wraps(command)
+    def run(**values):
+        for name, group in groups.items():
+            values[name] = group(**{f.name: values.pop(f.name) for f in fields(group)})
+        return command(**values)
+
+    run.__signature__ = inspect.Signature(parameters)  # what typer reads the options from
+    run.__annotations__ = {p.name: p.annotation for p in parameters}
+    return run
+
+
+def absolute(path: str) -> str:
+    """An existing file or folder as an absolute path (flow runs start in other processes); else as given
+    (a suite name, a URL)."""
+    return str(Path(path).resolve()) if Path(path).exists() else path

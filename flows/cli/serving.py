@@ -1,0 +1,127 @@
+"""Unattended evaluation: `serve` (the deployments, from this process), `watch` (one look at a relay) and
+`notify` (for trainers: a checkpoint was saved)."""
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, ReportServer, report_url
+from dflash_eval.flows.store_paths import store_root
+
+from .common import bind_report_server, fail, write_results
+from .options import Baseline, Inputs, RelayTokenFile, Settings, absolute, example, option_groups
+
+app = typer.Typer()
+
+
+@app.command(epilog=example("PREFECT_API_URL=http://127.0.0.1:4200/api dflash-eval serve",
+                            "--target runs/tiny/target --prompts runs/tiny/prompts.jsonl",
+                            "--relay http://127.0.0.1:8700"))
+@option_groups
+def serve(
+    *, inputs: Inputs,
+    relay: Annotated[str | None, typer.Option("--relay", help="Also watch this relay (http://HOST:PORT) and evaluate "
+                                              "checkpoints not scored yet, oldest step first.")] = None,
+    watch_interval: Annotated[float, typer.Option("--watch-interval", help="Seconds between two looks at the "
+                                                  "relay.")] = 300,
+    settings: Settings, baseline: Baseline = None,
+    threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads each evaluation computes with "
+                                                "(the flow parameter `threads`; default: the cores / the machine's "
+                                                "heavy-stage slots, see tasks/threads.py).")] = None,
+    poll_seconds: Annotated[float, typer.Option("--poll-seconds", min=0.05, help="How often to ask the server for flow "
+                                                "runs to start (Prefect's own default is 10 s; each ask is one small "
+                                                "query).")] = 0.25,
+    report_server: Annotated[bool, typer.Option("--report-server/--no-report-server", help="Serve <store>/report "
+                                                "over HTTP from this process, for the report links of the Prefect "
+                                                "UI.")] = True,
+    report_host: Annotated[str, typer.Option("--report-host", help="Address the report server listens on (0.0.0.0: "
+                                             "every interface; the links then name this machine).")] = DEFAULT_HOST,
+    report_port: Annotated[int, typer.Option("--report-port", min=0, help="Port of the report server (0: any free "
+                                             "one).")] = DEFAULT_PORT,
+):
+    """Serve the deployments on this machine without a work pool (Prefect's runner), until interrupted:
+    evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
+    rerun-<stage>. Each flow run is a fork of a process that has imported torch and the flows already
+    (flows/warm_runs.py). Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api. The report
+    every run rewrites, <store>/report, is served at http://<report host>:<report port>/ ($DFLASH_REPORT_URL,
+    if set, is the address the runs link to instead: a reverse proxy's)."""
+    from dflash_eval.flows.deployments import serve_deployments
+
+    if not os.environ.get("PREFECT_API_URL"):
+        fail("set PREFECT_API_URL to a Prefect server (`prefect server start`): deployments, event triggers and "
+             "schedules live there")
+    parameters = settings.parameters()
+    if baseline:
+        parameters["baseline"] = absolute(baseline)
+    if threads is not None:
+        parameters["threads"] = threads
+    # before the runner: the flow runs' processes copy this one's environment when they start
+    server = (_serve_report_to_runs(store_root(inputs.store) / "report", report_host, report_port)
+              if report_server else None)
+    try:
+        serve_deployments(poll_seconds=poll_seconds, target=absolute(inputs.target), prompts=absolute(inputs.prompts),
+                          relay=relay, store=str(Path(inputs.store).resolve()) if inputs.store else None,
+                          watch_interval=watch_interval, max_new_tokens=inputs.max_new_tokens, parameters=parameters)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _serve_report_to_runs(folder: Path, host: str, port: int) -> ReportServer:
+    """Serve `folder` (the report every flow run rewrites) from this process and point the flow runs, which
+    inherit this process's environment, at it with $DFLASH_REPORT_URL; keep a URL the user set (a proxy's)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)  # the server starts before the first run writes the report
+    except OSError as e:
+        fail(f"cannot create the report folder {folder}: {e.strerror}")
+    server = bind_report_server(folder, host, port, "--report-port").start()
+    if report_url() is not None:
+        typer.echo(f"report server at {server.url}report.html; ${REPORT_URL_ENV} is set, so flow runs link to "
+                   f"{report_url()}report.html")
+    else:
+        os.environ[REPORT_URL_ENV] = server.url
+        typer.echo(f"report server at {server.url}report.html (flow runs link to it)")
+    return server
+
+
+@app.command(epilog=example("PREFECT_API_URL=http://127.0.0.1:4200/api dflash-eval watch",
+                            "--relay http://127.0.0.1:8700 --target runs/tiny/target",
+                            "--prompts runs/tiny/prompts.jsonl"))
+@option_groups
+def watch(
+    relay: Annotated[str, typer.Option("--relay", help="The relay to look at (http://HOST:PORT).")],
+    inputs: Inputs, relay_token_file: RelayTokenFile = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write what was started (JSON) here.")] = None,
+):
+    """Look at a relay once: start the evaluate-checkpoint deployment for each checkpoint not scored
+    yet, oldest step first (what the watch-relay deployment does on its schedule). Needs a Prefect
+    server with the deployment (`dflash-eval serve`)."""
+    from dflash_eval.flows.watch import watch_relay
+
+    started = watch_relay(relay=relay, target=absolute(inputs.target), prompts=absolute(inputs.prompts),
+                          store=str(Path(inputs.store).resolve()) if inputs.store else None,
+                          max_new_tokens=inputs.max_new_tokens, relay_token_file=relay_token_file)
+    for run in started:
+        typer.echo(f"{run['path']} (step {run['step']}): flow run {run['flow_run_id']}, attempt {run['attempt']}")
+    if not started:
+        typer.echo("nothing to start: every checkpoint is scored or being scored")
+    write_results(started, out)
+
+
+@app.command(epilog=example("dflash-eval notify --checkpoint http://relay:8700/run1/step_1000 --step 1000"))
+def notify(
+    checkpoint: Annotated[str, typer.Option("--checkpoint", help="The saved checkpoint, as the evaluation fetches "
+                                            "it: a relay URL (http://relay:8700/run1/step_1000) or a folder.")],
+    step: Annotated[int | None, typer.Option("--step", help="Its training step (shown with the event).")] = None,
+    api_url: Annotated[str | None, typer.Option("--api-url", help="Prefect API URL (default "
+                                                "$PREFECT_API_URL).")] = None,
+):
+    """For training scripts: announce a saved checkpoint (event dflash.checkpoint.saved), which starts
+    its evaluation. Always exits 0 and within seconds: an unreachable server is only reported."""
+    from dflash_eval.flows.notify import EVENT
+    from dflash_eval.flows.notify import notify as send
+
+    if send(checkpoint, step, api_url):
+        typer.echo(f"sent {EVENT} for {checkpoint}")

@@ -1,0 +1,117 @@
+"""What the store holds: `history` (tau by step), `report` (plots, served on demand) and `verify` (every byte
+checked, optionally repaired)."""
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT
+from dflash_eval.flows.store_paths import store_root
+
+from .common import bind_report_server
+from .options import StoreRoot, example
+
+app = typer.Typer()
+
+
+@app.command("history", epilog=example("dflash-eval history --store .dflash-store"))
+def history_command(store: StoreRoot = None):
+    """Tau of every scored checkpoint in the store, by training step (checkpoints without one by when they
+    were first scored, never by path), with the best one and regressions (a 95% interval entirely below the
+    best earlier step's; a checkpoint without a step is never flagged: its place among the steps is unknown)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from dflash_eval.flows.history import history
+    from dflash_eval.storage import Store
+
+    groups = history(Store(store))
+    if not groups:
+        typer.echo(f"no scored checkpoint in {Store(store).root}")
+        return
+    console = Console(width=160)
+    for group in groups:
+        table = Table(title=group.title)
+        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", "first scored (UTC)", ""):
+            table.add_column(column)
+        for row in group.rows:
+            ci = row.tau_macro_ci95
+            step = "-" if row.step is None else str(row.step)
+            scored = f"{row.scored_at:%Y-%m-%d %H:%M:%S}" if row.scored_at else "-"
+            table.add_row("baseline" if row.baseline else step, row.label, f"{row.tau_macro:.3f}",
+                          f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row.tau_pooled:.3f}", scored, row.mark)
+        console.print(table)
+
+
+@app.command("report", epilog=example("dflash-eval report --store .dflash-store --out report/"))
+def report_command(
+    store: StoreRoot = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder to write report.html, report.md and img/*.png "
+                                             "into (with --serve, default <store>/report).")] = None,
+    last: Annotated[int, typer.Option("--last", min=1, help="How many of the newest checkpoints of each group the "
+                                      "acceptance curves, histograms and category table show (besides the "
+                                      "baselines).")] = 3,
+    serve: Annotated[bool, typer.Option("--serve", help="Then serve the folder over HTTP until Ctrl+C.")] = False,
+    host: Annotated[str, typer.Option("--host", help="With --serve: address to listen on (0.0.0.0: every "
+                                      "interface).")] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", min=0, help="With --serve: port to listen on (0: any free "
+                                      "one).")] = DEFAULT_PORT,
+):
+    """Write a report of every scored checkpoint in the store: tau by training step, acceptance by draft
+    position, acceptance-length histograms, tau per category, diagnostics. report.html is self-contained
+    (plots embedded); report.md shows the same with the plots in img/.
+
+    With --serve and no --out it writes <store>/report and serves it:
+    `dflash-eval report --serve --host 0.0.0.0 --port 8765`.
+    """
+    from dflash_eval.flows.report import NothingToReport, write_report
+    from dflash_eval.storage import Store
+
+    if out is None and not serve:
+        raise typer.BadParameter("give the folder to write the report into (or --serve: <store>/report)",
+                                 param_hint="--out")
+    out = store_root(store) / "report" if out is None else out
+    server = bind_report_server(out, host, port, "--port") if serve else None  # a taken port fails before any work
+    try:
+        html_path = write_report(Store(store), out, last=last)
+    except NothingToReport as e:
+        if server is not None:
+            server.stop()
+        typer.echo(str(e), err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"report: {html_path}")
+    typer.echo(f"markdown: {html_path.with_name('report.md')}")
+    if server is not None:
+        typer.echo(f"serving {out} at {server.url}report.html; Ctrl+C stops")
+        server.serve_forever()
+
+
+@app.command("verify", epilog=example("dflash-eval verify --store .dflash-store --repair"))
+def verify_command(
+    store: StoreRoot = None,
+    repair: Annotated[bool, typer.Option("--repair", help="Remove what is damaged or stale (entry markers, damaged "
+                                         "files, damaged feature arrays), so that the next run recomputes exactly "
+                                         "that.")] = False,
+):
+    """Check every entry of the store: its entry.json, the sha256 of every file and of every feature array,
+    chunk files, JSON that parses, and whether it was built on content that has changed since (stale).
+    Prints each problem as `stage/key: what: why`; exits 1 if there is any, 0 if the store is clean.
+    Reads every byte of the store (features included)."""
+    from dflash_eval.storage import Store
+    from dflash_eval.storage.integrity import verify_store
+
+    report = verify_store(Store(store), repair=repair)
+    for problem in report.problems:
+        typer.echo(str(problem))
+    for name in report.incomplete:
+        typer.echo(f"incomplete {name}: no entry.json (an interrupted run; the next run resumes it)")
+    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {Store(store).root}: "
+               f"{len(report.problems)} problems")
+    if repair and report.repaired:
+        typer.echo(f"repaired: removed {len(report.repaired)} damaged or stale items; the next run recomputes "
+                   "exactly these")
+    for name in report.busy:
+        typer.echo(f"not repaired {name}: another run is writing it; verify again when it is done")
+    if report.problems:
+        raise typer.Exit(1)

@@ -1,0 +1,139 @@
+"""What the store holds: the names of its stages, and the record each stage commits.
+
+A record is the small JSON object in an entry's `entry.json` (storage.store); the files beside it
+(drafts.json, scores.json, features.zarr, ...) are the stage's own. Each record is a frozen dataclass
+here, built by the stage that writes it (tasks/) and parsed by every reader (flows/): `to_record()` is
+exactly the JSON object the stage commits, `from_record()` reads one back. Fields that older entries
+lack have defaults; unknown keys are ignored; a missing required key raises KeyError, as indexing the
+dict did, which readers treat as an entry not in this format.
+"""
+
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from enum import StrEnum
+from typing import Any, Self
+
+
+class Stage(StrEnum):
+    """The store's stages, one folder each under the store's root (a StrEnum: each is its name)."""
+
+    FETCH = "fetch"
+    REFERENCES = "references"
+    FEATURES = "features"
+    DRAFTS = "drafts"
+    SCORES = "scores"
+    DIAGNOSTICS = "diagnostics"
+    BASELINES = "baselines"  # one entry per checkpoint key scored as a baseline
+
+
+# Files of an entry that another stage, or a reader, opens.
+DRAFTS_FILE = "drafts.json"  # drafts: per prompt, the decode steps of the replay
+SCORES_FILE = "scores.json"  # scores: dflash_core.metrics.summarize and what the stage adds to it
+DIAGNOSTICS_FILE = "diagnostics.json"  # diagnostics: ablation, offset probe, sliding switch, divergences
+
+_OMITTED_WHEN_NONE = "omitted when None"
+
+
+def _written_when_set() -> Any:
+    """A field whose key the record holds only when it has a value (as the stages have always written it)."""
+    return field(default=None, metadata={_OMITTED_WHEN_NONE: True})
+
+
+class _Record:
+    """to_record / from_record for the dataclasses below (JSON arrays are tuples on the Python side)."""
+
+    def to_record(self) -> dict[str, Any]:
+        """The JSON object committed as the entry's record."""
+        record = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None and f.metadata.get(_OMITTED_WHEN_NONE):
+                continue
+            record[f.name] = list(value) if isinstance(value, tuple) else value
+        return record
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> Self:
+        """Parse a committed record; raises KeyError naming a required key it lacks."""
+        values = {}
+        for f in fields(cls):
+            if f.name in record:
+                value = record[f.name]
+                values[f.name] = tuple(value) if isinstance(value, list) else value
+            elif f.default is MISSING and f.default_factory is MISSING:
+                raise KeyError(f.name)
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class FetchRecord(_Record):
+    """A drafter checkpoint fetched into the store (tasks/fetch.py); its files are in checkpoint/."""
+
+    files: dict[str, str]  # {file name: sha256}: the checkpoint's content key is key_of({"files": files})
+    source: str  # the folder it was copied from, or the relay URL
+    step: int | None  # training step (dflash_core.checkpoint_files.training_step)
+    layout: str = "hf"  # how the trainer saved it, "hf" or "specforge"; older entries are "hf"
+    config_source: str = "checkpoint"  # "checkpoint", "run folder" or "--drafter-config <file>"
+    weights_from: str | None = _written_when_set()  # a SpecForge payload: where its drafter weights were read
+
+
+@dataclass(frozen=True)
+class ReferencesRecord(_Record):
+    """Greedy references of a prompt set (tasks/references.py): seq_<n>.json per prompt."""
+
+    n_prompts: int
+    n: int  # references: a multi-turn prompt has one per turn
+    prompts: str  # the prompt suite or file, as given
+    backend: dict[str, Any]  # the reference backend's identity
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+    lookahead: int  # greedy tokens kept past each completion's end
+    unverified: int  # references a server gave as text whose re-tokenisation did not round-trip
+    target: str | None = None  # the target folder; None in entries from before it was recorded
+    backend_fingerprint: str | None = _written_when_set()  # digest of a server's fingerprint (none when local)
+
+
+@dataclass(frozen=True)
+class FeaturesRecord(_Record):
+    """Target hidden states of a reference set (tasks/features.py), in features.zarr."""
+
+    layer_ids: tuple[int, ...]  # every layer the entry holds, sorted
+    n: int  # sequences (references)
+    references: str  # the references key
+    dtype: str
+
+
+@dataclass(frozen=True)
+class DraftsRecord(_Record):
+    """One drafter's replay over one reference set (tasks/drafts.py), in drafts.json."""
+
+    checkpoint: str  # the fetch key
+    features: str  # the features key
+    block_size: int
+    sliding_semantics: str
+    layer_ids: tuple[int, ...]  # the target layers the drafter reads
+
+
+@dataclass(frozen=True)
+class ScoresRecord(_Record):
+    """The scores of one drafts entry (tasks/scores.py), in full in scores.json."""
+
+    tau_macro: float
+    tau_pooled: float
+    drafts: str  # the drafts key
+
+
+@dataclass(frozen=True)
+class DiagnosticsRecord(_Record):
+    """The diagnostics of one drafts entry (tasks/diagnostics.py), in diagnostics.json."""
+
+    drafts: str  # the drafts key
+    scores: str  # the scores key
+
+
+@dataclass(frozen=True)
+class BaselineRecord(_Record):
+    """A checkpoint scored as a baseline (`dflash-eval run --baseline`); the entry's key is its fetch key."""
+
+    source: str
+    step: int | None

@@ -1,0 +1,24 @@
+"""Baselines stage: marks a checkpoint as scored as a baseline (`dflash-eval run --baseline`).
+
+One entry per checkpoint key, holding its source and step; flows/history.py lists such checkpoints
+as rows of their own, never the best and never a regression.
+"""
+
+from prefect import task
+from prefect.cache_policies import NONE
+
+from dflash_eval.storage import Store
+from dflash_eval.storage.schema import BaselineRecord, Stage
+
+from .fetch import Checkpoint
+from .stage import cached, get_or_compute
+
+STAGE = Stage.BASELINES
+
+
+@task(name="baselines", cache_policy=NONE, persist_result=False)
+def mark_baseline(checkpoint: Checkpoint, store_root: str):
+    """Record in the store that `checkpoint` is scored as a baseline."""
+    outcome = get_or_compute(Store(store_root), STAGE, checkpoint.key,
+                             lambda entry: BaselineRecord(source=checkpoint.source, step=checkpoint.step).to_record())
+    return checkpoint.key if outcome.computed else cached(checkpoint.key)
