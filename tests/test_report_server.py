@@ -187,7 +187,10 @@ def test_command_line_writes_and_serves_the_report(tmp_path):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen([sys.executable, "-m", "dflash_eval.flows.cli", "report", "--store", str(store.root), "--serve",
                                 "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               cwd=Path(__file__).parent.parent)
+                               cwd=Path(__file__).parent.parent,
+                               # Ctrl+C reaches it even when pytest runs as a background job of a script, whose
+                               # shell ignores SIGINT (an ignored signal stays ignored across exec)
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = _line_with(process, "report.html; Ctrl+C stops", timeout=60)
         url = line.split(" at ", 1)[1].split(";", 1)[0]
