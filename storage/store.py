@@ -178,6 +178,23 @@ class Store:
         _check_stage_key(stage, key)
         return self.root / stage / key[:2] / key
 
+    @property
+    def location(self) -> str:
+        """What `Store(location)` opens again on any machine (a task's `store_root`): the absolute root."""
+        return str(self.root.absolute())
+
+    def feature_store(self, key: str):
+        """The feature arrays of features entry `key` (storage.feature_store), where this store keeps them."""
+        from .feature_store import FeatureStore
+
+        return FeatureStore.in_entry(self.entry("features", key))
+
+    def local_entry(self, stage: str, key: str, *, full: bool = False) -> Path:
+        """The folder on this machine holding the files of committed entry (stage, key), checked as
+        `read_entry(full=full)` checks them. Raises `EntryMissing` as `read_entry` does."""
+        self.read_entry(stage, key, full=full)
+        return self.entry(stage, key)
+
     def _marker(self, stage: str, key: str) -> Path:
         return self.entry(stage, key) / MARKER_NAME
 
