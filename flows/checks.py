@@ -30,6 +30,8 @@ from dflash_core.reference.backends import BackendError, open_backend
 from dflash_core.target import read_target_config
 from dflash_eval.flows.choices import DEVICES, STAGES
 from dflash_eval.flows.store_paths import store_root
+from dflash_eval.storage import Store
+from dflash_eval.storage.object_storage import ObjectStorageError
 from dflash_eval.storage.relay.client import RelayError
 from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, read_config
 from dflash_eval.tasks.references import load_prompts
@@ -185,8 +187,18 @@ def writable_problem(path: Path, folder: bool) -> str | None:
 
 
 def store_problem(store: str | None) -> str | None:
-    """Why the store cannot be used (read, created, written), or None."""
-    problem = writable_problem(store_root(store), folder=True)
+    """Why the store cannot be used (read, created, written), or None. A store on object storage must answer
+    (server up, bucket there, credentials taken), and this machine's copy of it be writable."""
+    try:
+        opened = Store(store)
+    except ValueError as e:  # a URL of another scheme, or without a bucket
+        return f"--store: {e}"
+    if opened.remote is not None:
+        try:
+            opened.remote.check_reachable()
+        except ObjectStorageError as e:
+            return f"--store: {e}"
+    problem = writable_problem(opened.root, folder=True)
     return f"--store: {problem}" if problem else None
 
 

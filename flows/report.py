@@ -133,7 +133,7 @@ class GroupSection:
 class Report:
     """What the report shows, rendered by templates/report.j2."""
 
-    store: Path
+    store: str  # its location: a folder, or s3://...
     written: datetime  # UTC
     groups: list[GroupSection]
 
@@ -149,9 +149,9 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
     has it already. Raises NothingToReport on a store without scores."""
     groups = history(store) if groups is None else groups
     if not groups:
-        raise NothingToReport(f"no scored checkpoint in {store.root}: nothing to report")
+        raise NothingToReport(f"no scored checkpoint in {store.location}: nothing to report")
     diagnostics = _diagnostics_by_checkpoint(store)
-    report = Report(store=store.root.resolve(), written=datetime.now(timezone.utc),
+    report = Report(store=store.location, written=datetime.now(timezone.utc),
                     groups=[_group_section(group, f"group{index}", max(1, last), diagnostics)
                             for index, group in enumerate(groups, start=1)])
 

@@ -27,6 +27,11 @@ Completion marker: the array's attributes, rewritten LAST (one atomic rename of 
 "sha256": <digest of the stored bytes>}`. A killed writer leaves chunks without the
 marker; zarr would read missing chunks back as zeros, so nothing here reads an
 array without its marker. Rewriting an array clears the marker first.
+
+On object storage (`FeatureStore(ObjectStorage)`, what `Store.feature_store` gives for an s3:// store) the
+same keys are objects: zarr writes them through `zarr.storage.ObjectStore`, every `zarr.json` is one PUT
+(so the marker is still atomic), and the reads below fetch whole objects (the e_tag of `zarr.json` takes
+the place of its inode as the identity that a rewrite changes).
 """
 
 import hashlib
@@ -36,6 +41,7 @@ import re
 import shutil
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +52,7 @@ import zarr.errors
 import zarr.storage
 
 from .hashing import key_of
+from .object_storage import ObjectStorage, store_url
 
 FEATURES_DIRNAME = "features.zarr"
 MARKER_FORMAT = 1
@@ -125,28 +132,105 @@ def _chunk_rows(n_rows: int, row_bytes: int, max_chunk_bytes: int) -> int:
     return -(-n_rows // n_chunks)
 
 
-class FeatureStore:
-    """Per-(layer id, sequence) hidden states in one zarr v3 group (layout in the module docstring).
+class _LocalFiles:
+    """The group's keys as files under a folder."""
 
-    Several processes may write different sequences (or layers) at once; two
+    def __init__(self, path: Path):
+        self.path = path
+
+    def read(self, key: str) -> tuple[bytes, tuple]:
+        # (content, identity): inode and mtime change whenever the file is replaced
+        with open(self.path / key, "rb") as f:
+            stat = os.fstat(f.fileno())
+            return f.read(), (stat.st_ino, stat.st_mtime_ns)
+
+    def read_into(self, key: str, view: memoryview) -> int:
+        with open(self.path / key, "rb") as f:
+            return f.readinto(view)
+
+    def size(self, key: str) -> int | None:
+        try:
+            return os.stat(self.path / key).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def delete(self, key: str) -> None:
+        try:
+            os.unlink(self.path / key)
+        except FileNotFoundError:
+            pass
+
+    def delete_tree(self, prefix: str) -> None:
+        shutil.rmtree(self.path / prefix, ignore_errors=True)
+
+    def array_folders(self) -> list[str]:
+        return [p.relative_to(self.path).as_posix() for p in self.path.glob("layer_*/seq_*") if p.is_dir()]
+
+
+class _ObjectFiles:
+    """The group's keys as objects under a prefix of object storage."""
+
+    def __init__(self, storage: ObjectStorage):
+        self.storage = storage
+
+    def read(self, key: str) -> tuple[bytes, str]:
+        return self.storage.get(key)  # (content, e_tag)
+
+    def read_into(self, key: str, view: memoryview) -> int:
+        data, _ = self.storage.get(key)
+        n = min(len(data), len(view))  # as readinto: the last chunk is stored at full chunk size
+        view[:n] = data[:n]
+        return n
+
+    def size(self, key: str) -> int | None:
+        meta = self.storage.head(key)
+        return None if meta is None else meta["size"]
+
+    def delete(self, key: str) -> None:
+        self.storage.delete([key])
+
+    def delete_tree(self, prefix: str) -> None:
+        self.storage.delete_prefix(prefix)
+
+    def array_folders(self) -> list[str]:
+        return sorted({"/".join(meta["path"].split("/")[:2]) for meta in self.storage.objects("layer_")
+                       if meta["path"].count("/") >= 2})
+
+
+class FeatureStore:
+    """Per-(layer id, sequence) hidden states in one zarr v3 group (layout in the module docstring), in a
+    local folder or under a prefix of object storage.
+
+    Several processes (or machines) may write different sequences (or layers) at once; two
     writers of the same (layer, sequence) are not supported (zarr chunk and
     metadata writes of one key race, notes/zarr.md).
     """
 
-    def __init__(self, path: str | os.PathLike, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
+    def __init__(self, location: str | os.PathLike | ObjectStorage, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
+        """location: the group's folder, or its place on object storage (an `ObjectStorage` or s3:// URL)."""
         if max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
-        self.path = Path(path)
         self.max_chunk_bytes = max_chunk_bytes
-        self._zarr_store = zarr.storage.LocalStore(self.path)
+        if isinstance(location, str) and store_url(location):
+            location = ObjectStorage(location)
+        if isinstance(location, ObjectStorage):
+            self.path, self.location = None, location.url
+            self._files = _ObjectFiles(location)
+            self._zarr_store = location.zarr_store()
+        else:
+            self.path = Path(location)  # the group's folder (None on object storage)
+            self.location = str(self.path)
+            self._files = _LocalFiles(self.path)
+            self._zarr_store = zarr.storage.LocalStore(self.path)
 
     @classmethod
     def in_entry(cls, entry_dir: str | os.PathLike, **kwargs: Any) -> "FeatureStore":
-        """The feature store of a store entry: `<entry_dir>/features.zarr`."""
+        """The feature store of a local store entry: `<entry_dir>/features.zarr` (Store.feature_store gives
+        any store's)."""
         return cls(Path(entry_dir) / FEATURES_DIRNAME, **kwargs)
 
     def __repr__(self) -> str:
-        return f"FeatureStore({str(self.path)!r})"
+        return f"FeatureStore({self.location!r})"
 
     # ------------------------------------------------------------ writing
 
@@ -209,10 +293,7 @@ class FeatureStore:
         except (zarr.errors.NodeNotFoundError, zarr.errors.ContainsGroupError):
             return
         except (ValueError, TypeError, KeyError):  # damaged metadata: without it nothing reads as complete
-            try:
-                os.unlink(self.path / path / "zarr.json")
-            except FileNotFoundError:
-                pass
+            self._files.delete(f"{path}/zarr.json")
             return
         if old.attrs.get("complete") is not False:
             old.update_attributes({"complete": False})
@@ -223,16 +304,15 @@ class FeatureStore:
         """(array metadata, marker, identity of its zarr.json); FeatureMissing unless complete.
 
         Reads the array's zarr.json directly (a tenth of the time zarr.open_array takes): `missing`
-        checks every (layer, sequence) of an entry on every run. The identity (inode, mtime) changes
-        whenever the metadata is rewritten, which every writer does before touching chunks.
+        checks every (layer, sequence) of an entry on every run. The identity (inode and mtime, or
+        e_tag) changes whenever the metadata is rewritten, which every writer does before touching chunks.
         """
         path = _array_path(layer_id, seq_index)
         try:
-            with open(self.path / path / "zarr.json", "rb") as f:
-                stat = os.fstat(f.fileno())
-                metadata = json.loads(f.read())
+            raw, identity = self._files.read(f"{path}/zarr.json")
+            metadata = json.loads(raw)
         except (FileNotFoundError, NotADirectoryError):
-            raise FeatureMissing(layer_id, seq_index, f"absent (no array {path} in {self.path})") from None
+            raise FeatureMissing(layer_id, seq_index, f"absent (no array {path} in {self.location})") from None
         except ValueError as e:
             raise FeatureMissing(layer_id, seq_index, f"unreadable metadata ({e})") from None
         if not isinstance(metadata, dict):
@@ -254,7 +334,7 @@ class FeatureStore:
                 layer_id, seq_index, f"inconsistent marker {marker} for a {metadata.get('data_type')} array "
                 f"of shape {metadata.get('shape')}"
             )
-        return metadata, marker, (stat.st_ino, stat.st_mtime_ns)
+        return metadata, marker, identity
 
     def _read_chunks(self, layer_id: int, seq_index: int, metadata: dict[str, Any]) -> np.ndarray:
         """The array's values, read from its chunk files straight into the result when the layout
@@ -274,9 +354,8 @@ class FeatureStore:
         for i, first in enumerate(range(0, shape[0], chunk_rows)):
             rows = memoryview(out[first : first + chunk_rows]).cast("B")
             try:
-                with open(self.path / path / "c" / str(i) / "0", "rb") as f:
-                    n_read = f.readinto(rows)
-            except FileNotFoundError:
+                n_read = self._files.read_into(f"{path}/c/{i}/0", rows)
+            except (FileNotFoundError, NotADirectoryError):
                 n_read = 0
             if n_read != len(rows):  # never hand out zeros for missing data
                 raise FeatureMissing(layer_id, seq_index, f"chunk {i} is missing or short ({n_read} of {len(rows)} bytes)")
@@ -291,13 +370,10 @@ class FeatureStore:
                 and chunk_width == shape[1]):
             return  # another layout: its chunks are checked when read
         row_bytes = shape[1] * np.dtype(metadata["data_type"]).itemsize
-        directory = self.path / _array_path(layer_id, seq_index) / "c"
+        chunks = f"{_array_path(layer_id, seq_index)}/c"
         for i, first in enumerate(range(0, shape[0], chunk_rows)):
             expected = min(chunk_rows, shape[0] - first) * row_bytes
-            try:
-                size = os.stat(directory / str(i) / "0").st_size
-            except (FileNotFoundError, NotADirectoryError):
-                size = None
+            size = self._files.size(f"{chunks}/{i}/0")
             # the last chunk is stored at full chunk size (uncompressed), so at least `expected` bytes
             if size is None or size < expected:
                 raise FeatureMissing(layer_id, seq_index, f"chunk {i} is missing or short "
@@ -331,10 +407,10 @@ class FeatureStore:
     def arrays(self) -> list[tuple[int, int]]:
         """(layer id, sequence index) of every array folder present, complete or not (sorted)."""
         found = []
-        for path in self.path.glob("layer_*/seq_*"):
-            layer, seq = re.fullmatch(r"layer_(\d+)", path.parent.name), re.fullmatch(r"seq_(\d+)", path.name)
-            if layer and seq and path.is_dir():
-                found.append((int(layer.group(1)), int(seq.group(1))))
+        for folder in self._files.array_folders():
+            match = re.fullmatch(r"layer_(\d+)/seq_(\d+)", folder)
+            if match:
+                found.append((int(match.group(1)), int(match.group(2))))
         return sorted(found)
 
     def discard(self, layer_id: int, seq_index: int) -> None:
@@ -342,7 +418,7 @@ class FeatureStore:
         features stage extracts it again."""
         path = _array_path(layer_id, seq_index)
         self._clear_marker(path)
-        shutil.rmtree(self.path / path, ignore_errors=True)
+        self._files.delete_tree(path)
 
     def missing(self, layer_ids: Sequence[int], n_sequences: int) -> list[tuple[int, int]]:
         """(layer id, sequence index) pairs not stored completely, for sequences 0..n_sequences-1.
@@ -350,7 +426,12 @@ class FeatureStore:
         Ordered by `layer_ids` as given, then by sequence. An empty list means everything
         a drafter with these layer ids needs is here.
         """
-        return [(layer, seq) for layer in layer_ids for seq in range(n_sequences) if not self.has(layer, seq)]
+        pairs = [(layer, seq) for layer in layer_ids for seq in range(n_sequences)]
+        if isinstance(self._files, _LocalFiles):
+            return [pair for pair in pairs if not self.has(*pair)]
+        with ThreadPoolExecutor(16) as pool:  # object storage: one round trip per marker and chunk, overlapped
+            held = list(pool.map(lambda pair: self.has(*pair), pairs))
+        return [pair for pair, ok in zip(pairs, held) if not ok]
 
     def read_layer(self, layer_id: int, seq_index: int, *, verify: bool = False) -> torch.Tensor:
         """The [T, H] hidden states of one layer and sequence, in the stored dtype (bfloat16 or float32).

@@ -19,9 +19,9 @@ recomputes exactly that.
 
 from dataclasses import dataclass, field
 
-from .feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
+from .feature_store import FeatureMissing
 from .schema import Stage
-from .store import _KEY_RE, _STAGE_RE, MARKER_NAME, Damage, Entry, EntryMissing, LockTimeout, Store, changed_upstream
+from .store import Damage, Entry, EntryMissing, LockTimeout, Store, changed_upstream
 
 
 class StaleEntryWarning(UserWarning):
@@ -48,7 +48,7 @@ def upstream_digest(store: Store, label: str) -> str | None:
         if (len(parts) == 4 and parts[0] == Stage.FEATURES and parts[2].startswith("layers=")
                 and parts[3].startswith("n=")):
             ids = [int(i) for i in parts[2].removeprefix("layers=").split(",") if i]
-            features = FeatureStore.in_entry(store.entry(Stage.FEATURES, parts[1]))
+            features = store.feature_store(parts[1])
             return features.digest(ids, int(parts[3].removeprefix("n=")))
     except (EntryMissing, FeatureMissing):
         return None
@@ -100,20 +100,6 @@ class VerifyReport:
     busy: list[str] = field(default_factory=list)  # entries another process held locked: not repaired
 
 
-def _entries(store: Store) -> list[tuple[str, str]]:
-    """(stage, key) of every entry folder in the store, complete or not, in a stable order."""
-    found = []
-    if not store.root.is_dir():
-        return found
-    for stage_dir in sorted(store.root.iterdir()):
-        if not (stage_dir.is_dir() and _STAGE_RE.fullmatch(stage_dir.name)):
-            continue
-        for directory in sorted(stage_dir.glob("??/*")):
-            if directory.is_dir() and _KEY_RE.fullmatch(directory.name) and directory.parent.name == directory.name[:2]:
-                found.append((stage_dir.name, directory.name))
-    return found
-
-
 def check_entry(store: Store, stage: str, key: str) -> tuple[list[Problem], int]:
     """(problems of one committed entry, feature arrays checked); every file and array hashed. Raises
     EntryMissing when the entry is incomplete."""
@@ -122,9 +108,8 @@ def check_entry(store: Store, stage: str, key: str) -> tuple[list[Problem], int]
     if entry is None:
         return problems, 0
     n_arrays = 0
-    features_dir = store.entry(stage, key) / FEATURES_DIRNAME
-    if features_dir.is_dir():
-        features = FeatureStore(features_dir)
+    if stage == Stage.FEATURES:
+        features = store.feature_store(key)
         layer_ids, n = entry.record.get("layer_ids") or [], int(entry.record.get("n") or 0)
         expected = {(layer, seq) for layer in layer_ids for seq in range(n)}
         for layer, seq in sorted(expected | {a for a in features.arrays() if features.has(*a)}):
@@ -147,10 +132,9 @@ def repair_entry(store: Store, stage: str, key: str, problems: list[Problem]) ->
     if any(p.kind == "stale" for p in problems):
         store.remove(stage, key)
         return
-    features = FeatureStore(store.entry(stage, key) / FEATURES_DIRNAME)
     for p in problems:
         if p.array is not None:
-            features.discard(*p.array)
+            store.feature_store(key).discard(*p.array)
     if problems:
         store.discard(stage, key, [p.damage for p in problems if p.damage is not None])
 
@@ -160,8 +144,8 @@ def verify_store(store: Store, repair: bool = False) -> VerifyReport:
     (`repair_entry`), each entry under its lock, checked again there; an entry another process holds
     is left alone and listed in `busy`."""
     report = VerifyReport()
-    for stage, key in _entries(store):
-        if not (store.entry(stage, key) / MARKER_NAME).exists():
+    for stage, key, complete in store.entries():
+        if not complete:
             report.incomplete.append(f"{stage}/{key}")
             continue
         try:

@@ -32,10 +32,22 @@ digests were recorded (no `files`) are read as before, their top-level JSON file
 
 Keys are sha256 hex digests (see `hashing.key_of`); stage names are lowercase
 identifiers. Both are validated, so no argument can escape the root.
+
+On object storage (`Store("s3://bucket/prefix")`, storage.object_storage) the same layout lives under the
+prefix, and the bucket is the truth: `entry.json` is one PUT, written last, after every file of the entry
+is uploaded; locks are lease objects created with `If-None-Match: *` (never flock on a network path), and
+a crashed holder's lease expires. Each machine keeps its own copy of the entries it reads and writes (and
+its digest cache) in a local folder, `Store.root` (`$DFLASH_STORE_CACHE/<bucket>-<id>/<prefix>`, default
+`~/.cache/dflash-eval/stores/...`): stages write an entry's files there, `commit` uploads them, and a read
+downloads what this machine lacks, hashing it as it streams. That copy is only a cache: a file in it that
+no longer matches the entry's digests is downloaded again. Feature arrays are not copied: they are read
+and written in the bucket directly (`Store.feature_store`), so the shards of a stage on several machines
+write their arrays straight into one entry.
 """
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -43,6 +55,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -50,9 +63,14 @@ from pathlib import Path
 from typing import Any
 
 from .hashing import DigestCache, file_sha256, key_of
+from .object_storage import LEASE_SECONDS, LockBusy, ObjectStorage, local_path, store_url
 from .records import PARTIAL_SUFFIX, write_json_atomic
 
 STORE_ENV = "DFLASH_STORE"
+CACHE_ENV = "DFLASH_STORE_CACHE"
+LEASE_ENV = "DFLASH_LOCK_LEASE_SECONDS"  # object-storage locks: how long one outlives a holder that stopped  # where this machine keeps its copy of an object store's entries
+DEFAULT_CACHE = Path("~/.cache/dflash-eval/stores")
+TRANSFERS = 16  # uploads and downloads of one entry's files in flight at once (object storage)
 DEFAULT_ROOT = ".dflash-store"
 MARKER_NAME = "entry.json"
 MARKER_FORMAT = 1
@@ -151,6 +169,14 @@ def default_root() -> Path:
     return Path(os.environ.get(STORE_ENV) or DEFAULT_ROOT)
 
 
+def store_cache(remote: ObjectStorage) -> Path:
+    """This machine's folder for its copy of object store `remote` (module docstring). The folder name
+    includes a digest of the endpoint and URL: two servers with a bucket of the same name never share it."""
+    base = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    identity = hashlib.sha256(f"{remote.endpoint or 'aws'}|{remote.url}".encode()).hexdigest()[:10]
+    return base / f"{remote.bucket}-{identity}" / remote.prefix
+
+
 def _check_stage(stage: str) -> None:
     if not isinstance(stage, str) or not _STAGE_RE.fullmatch(stage):
         raise ValueError(f"stage must be a lowercase identifier like 'features', got {stage!r}")
@@ -163,13 +189,28 @@ def _check_stage_key(stage: str, key: str) -> None:
 
 
 class Store:
-    """A local content-addressed store of stage outputs (layout in the module docstring)."""
+    """A content-addressed store of stage outputs, in a local folder or on object storage (layout and
+    both kinds in the module docstring).
 
-    def __init__(self, root: str | os.PathLike | None = None):
-        self.root = Path(root) if root is not None else default_root()
+    root: a folder, `s3://bucket/prefix`, or None for `$DFLASH_STORE` (else `./.dflash-store`). cache:
+    this machine's folder for an object store's entries (default `store_cache`); lease_seconds: how long an
+    object-storage lock outlives a holder that stopped renewing it (default `$DFLASH_LOCK_LEASE_SECONDS`,
+    else 60)."""
+
+    def __init__(self, root: str | os.PathLike | None = None, *, cache: str | os.PathLike | None = None,
+                 lease_seconds: float | None = None):
+        location = str(root) if root is not None else os.environ.get(STORE_ENV) or DEFAULT_ROOT
+        if lease_seconds is None:
+            lease_seconds = float(os.environ.get(LEASE_ENV) or LEASE_SECONDS)
+        # remote: the truth when the store is on object storage; root is then this machine's copy
+        self.remote = ObjectStorage(location, lease_seconds=lease_seconds) if store_url(location) else None
+        if self.remote is None:
+            self.root = local_path(location)
+        else:
+            self.root = Path(cache) if cache is not None else store_cache(self.remote)
 
     def __repr__(self) -> str:
-        return f"Store({str(self.root)!r})"
+        return f"Store({self.location!r})"
 
     # ------------------------------------------------------------ paths
 
@@ -180,19 +221,29 @@ class Store:
 
     @property
     def location(self) -> str:
-        """What `Store(location)` opens again on any machine (a task's `store_root`): the absolute root."""
-        return str(self.root.absolute())
+        """What `Store(location)` opens again on any machine (a task's `store_root`): the object store's URL,
+        or the absolute folder."""
+        return self.remote.url if self.remote is not None else str(self.root.absolute())
 
     def feature_store(self, key: str):
-        """The feature arrays of features entry `key` (storage.feature_store), where this store keeps them."""
-        from .feature_store import FeatureStore
+        """The feature arrays of features entry `key` (storage.feature_store): in the entry's folder, or
+        on object storage itself (never copied to this machine)."""
+        from .feature_store import FEATURES_DIRNAME, FeatureStore
 
+        if self.remote is not None:
+            return FeatureStore(self.remote.child(f"{self._entry_key('features', key)}/{FEATURES_DIRNAME}"))
         return FeatureStore.in_entry(self.entry("features", key))
 
+    def _entry_key(self, stage: str, key: str) -> str:
+        # the entry's prefix on object storage
+        _check_stage_key(stage, key)
+        return f"{stage}/{key[:2]}/{key}"
+
     def local_entry(self, stage: str, key: str, *, full: bool = False) -> Path:
-        """The folder on this machine holding the files of committed entry (stage, key), checked as
-        `read_entry(full=full)` checks them. Raises `EntryMissing` as `read_entry` does."""
-        self.read_entry(stage, key, full=full)
+        """The folder on this machine holding every file of committed entry (stage, key) (from object
+        storage: what this machine lacks is downloaded), checked as `read_entry(full=full)` checks them.
+        Raises `EntryMissing` as `read_entry` does."""
+        self._read_entry(stage, key, verify=True, full=full, every_file=True)
         return self.entry(stage, key)
 
     def _marker(self, stage: str, key: str) -> Path:
@@ -213,12 +264,15 @@ class Store:
         (`CorruptEntryWarning`, naming the entry and what is wrong), its marker and damaged files are
         removed (so a resuming stage recomputes exactly those), and it also raises `EntryMissing`.
         """
-        entry, damage, identity = self._inspect(stage, key, verify=verify or full, full=full)
+        return self._read_entry(stage, key, verify=verify, full=full)
+
+    def _read_entry(self, stage: str, key: str, *, verify: bool, full: bool, every_file: bool = False) -> Entry:
+        entry, damage, identity = self._inspect(stage, key, verify=verify or full, full=full, every_file=every_file)
         if not damage:
             return entry
         reasons = "; ".join(str(d) for d in damage)
         warnings.warn(f"{stage}/{key} is corrupt ({reasons}): removed, it counts as a miss and will be recomputed",
-                      CorruptEntryWarning, stacklevel=2)
+                      CorruptEntryWarning, stacklevel=3)
         self._discard(stage, key, damage, identity)
         raise EntryMissing(stage, key, f"damaged, removed ({reasons})", damaged=True)
 
@@ -239,11 +293,16 @@ class Store:
     def discard(self, stage: str, key: str, damage: Sequence[Damage]) -> None:
         """Remove the marker of (stage, key) and the damaged files `check` found, so the next run
         recomputes them (a stage that resumes, as references do per prompt, recomputes only those)."""
-        try:
-            identity = os.stat(self._marker(stage, key)).st_ino
-        except FileNotFoundError:
-            return
-        self._discard(stage, key, damage, identity)
+        if self.remote is not None:
+            meta = self.remote.head(f"{self._entry_key(stage, key)}/{MARKER_NAME}")
+            identity = meta and meta["e_tag"]
+        else:
+            try:
+                identity = os.stat(self._marker(stage, key)).st_ino
+            except FileNotFoundError:
+                identity = None
+        if identity is not None:
+            self._discard(stage, key, damage, identity)
 
     def content(self, stage: str, key: str) -> str | None:
         """The content digest recorded for (stage, key) (None for an entry committed before digests were
@@ -269,28 +328,91 @@ class Store:
             return False
         return True
 
-    def _inspect(self, stage: str, key: str, verify: bool, full: bool) -> tuple[Entry | None, list[Damage], int]:
-        # (entry, damage, inode of the marker read): the inode lets a remover leave a newer marker alone
+    def _inspect(self, stage: str, key: str, verify: bool, full: bool,
+                 every_file: bool = False) -> tuple[Entry | None, list[Damage], int | str]:
+        # (entry, damage, identity of the marker read: inode, or e_tag on object storage): the identity lets
+        # a remover leave a newer marker alone. every_file: an object store's files all copied here.
         marker = self._marker(stage, key)
         try:
-            with open(marker, "rb") as f:
-                identity = os.fstat(f.fileno()).st_ino
-                raw = f.read()
+            if self.remote is not None:
+                raw, identity = self.remote.get(f"{self._entry_key(stage, key)}/{MARKER_NAME}")
+            else:
+                with open(marker, "rb") as f:
+                    identity = os.fstat(f.fileno()).st_ino
+                    raw = f.read()
         except FileNotFoundError:
-            reason = "incomplete (no entry.json)" if marker.parent.is_dir() else "absent"
+            reason = "incomplete (no entry.json)" if self._has_files(stage, key) else "absent"
             raise EntryMissing(stage, key, reason) from None
         problem, entry = _parse_marker(raw, stage, key)
         if problem is not None:
             return None, [Damage(MARKER_NAME, problem)], identity
-        damage = _file_damage(marker.parent, entry.files, full) if verify else []
+        if not verify:
+            damage = []
+        elif self.remote is not None:
+            damage = self._copy_here(stage, key, entry.files, full, every_file)
+        else:
+            damage = _file_damage(marker.parent, entry.files, full)
         return entry, damage, identity
+
+    def _has_files(self, stage: str, key: str) -> bool:
+        # whether an entry without a marker has files (incomplete: a killed writer's, here or, on object
+        # storage, anywhere) or is absent
+        if self.entry(stage, key).is_dir():
+            return True
+        return self.remote is not None and bool(self.remote.objects(self._entry_key(stage, key) + "/"))
+
+    def _copy_here(self, stage: str, key: str, files: dict[str, dict[str, Any]] | None, full: bool,
+                   every_file: bool) -> list[Damage]:
+        """Damage of an object-store entry's files, each checked as `_file_damage` checks a local one: the
+        copy on this machine if it holds the file (hashed when small or `full`), else the object, downloaded
+        here and hashed while it streams. A large file this machine lacks is only sized on the server,
+        unless every_file (the caller opens the files)."""
+        if files is None:
+            files = {}  # committed before digests were recorded: never written to object storage
+        directory, prefix = self.entry(stage, key), self._entry_key(stage, key)
+
+        def check(item) -> Damage | None:
+            name, recorded = item
+            path, small = directory / name, recorded["size"] <= VERIFY_ON_READ_BYTES
+            try:
+                size = path.stat().st_size
+            except (FileNotFoundError, NotADirectoryError):
+                size = None
+            if size == recorded["size"] and not (small or full):
+                return None
+            if size == recorded["size"] and file_sha256(path) == recorded["sha256"]:
+                return None
+            if not (small or full or every_file):
+                meta = self.remote.head(f"{prefix}/{name}")
+                if meta is None:
+                    return Damage(name, "missing")
+                return None if meta["size"] == recorded["size"] else \
+                    Damage(name, f"{meta['size']} bytes, {recorded['size']} at commit")
+            try:
+                size, sha256 = self.remote.download(f"{prefix}/{name}", path)
+            except FileNotFoundError:
+                return Damage(name, "missing")
+            if size != recorded["size"]:
+                return Damage(name, f"{size} bytes, {recorded['size']} at commit")
+            return None if sha256 == recorded["sha256"] else \
+                Damage(name, "sha256 differs from the one recorded at commit")
+
+        with ThreadPoolExecutor(TRANSFERS) as pool:
+            return [d for d in pool.map(check, sorted(files.items())) if d is not None]
 
     def _discard(self, stage: str, key: str, damage: Sequence[Damage], identity: int) -> None:
         # Marker first (nothing reads as complete), then the damaged files. Only if the marker is still
         # the one that was checked: a writer that began since removed it (begin) and its new files are
         # not damaged. The remaining window is tiny and costs at most a recomputation.
         directory = self.entry(stage, key)
-        if not _unlink_if_same_file(directory / MARKER_NAME, identity):
+        if self.remote is not None:
+            prefix = self._entry_key(stage, key)
+            meta = self.remote.head(f"{prefix}/{MARKER_NAME}")
+            if meta is None or meta["e_tag"] != identity:
+                return
+            self.remote.delete([f"{prefix}/{MARKER_NAME}"])
+            self.remote.delete([f"{prefix}/{d.path}" for d in damage if d.path != MARKER_NAME])
+        elif not _unlink_if_same_file(directory / MARKER_NAME, identity):
             return
         for d in damage:
             if d.path != MARKER_NAME:
@@ -302,14 +424,29 @@ class Store:
     def keys(self, stage: str) -> list[str]:
         """Keys of the complete entries of `stage` (sorted; validity of entry.json not checked)."""
         _check_stage(stage)
-        stage_dir = self.root / stage
-        if not stage_dir.is_dir():
-            return []
-        return sorted(
-            marker.parent.name
-            for marker in stage_dir.glob(f"??/*/{MARKER_NAME}")
-            if _KEY_RE.fullmatch(marker.parent.name)
-        )
+        return sorted(key for found, key, complete in self._folders(stage) if complete)
+
+    def entries(self) -> list[tuple[str, str, bool]]:
+        """(stage, key, complete) of every entry in the store, complete or not, sorted."""
+        return sorted(self._folders())
+
+    def _folders(self, stage: str | None = None) -> Iterator[tuple[str, str, bool]]:
+        # (stage, key, has entry.json) of every entry folder (object storage: every entry prefix)
+        if self.remote is not None:
+            found: dict[tuple[str, str], bool] = {}
+            for meta in self.remote.objects(f"{stage}/" if stage else ""):
+                parts = meta["path"].split("/")
+                if len(parts) >= 4 and _is_entry(*parts[:3]):
+                    found[parts[0], parts[2]] = found.get((parts[0], parts[2]), False) or (
+                        len(parts) == 4 and parts[3] == MARKER_NAME)
+            yield from ((s, k, complete) for (s, k), complete in found.items())
+            return
+        stage_dirs = [self.root / stage] if stage else (self.root.iterdir() if self.root.is_dir() else [])
+        for stage_dir in stage_dirs:
+            if stage_dir.is_dir():
+                for directory in stage_dir.glob("??/*"):
+                    if directory.is_dir() and _is_entry(stage_dir.name, directory.parent.name, directory.name):
+                        yield stage_dir.name, directory.name, (directory / MARKER_NAME).is_file()
 
     # ------------------------------------------------------------ writing
 
@@ -323,6 +460,8 @@ class Store:
         """
         directory = self.entry(stage, key)
         directory.mkdir(parents=True, exist_ok=True)
+        if self.remote is not None:
+            self.remote.delete([f"{self._entry_key(stage, key)}/{MARKER_NAME}"])
         try:
             os.unlink(directory / MARKER_NAME)
         except FileNotFoundError:
@@ -336,10 +475,11 @@ class Store:
         """Write `entry.json` holding `record` atomically, marking the entry complete.
 
         Call it after every other file of the entry is written: a reader treats the entry as complete
-        from the moment the rename lands. The entry's files are hashed here (`files`, `content`),
+        from the moment the rename lands (on object storage: the files are uploaded first, then
+        `entry.json` in one PUT). The entry's files are hashed here (`files`, `content`),
         except the top-level folders named in `skip` (which carry digests of their own) and partial
         files; `upstream` ({label: content digest} of what the entry was built from) is recorded
-        as given. Returns the entry directory.
+        as given. Returns the entry directory (on this machine).
         """
         if not isinstance(record, dict):
             raise TypeError(f"record must be a dict (a JSON object), got {type(record).__name__}")
@@ -352,19 +492,23 @@ class Store:
             sealed["upstream"] = dict(upstream)
         # normalized through JSON, so the checksum is computed on exactly what a reader parses back
         sealed = json.loads(json.dumps(sealed, allow_nan=False))
-        write_json_atomic(
-            directory / MARKER_NAME,
-            {
-                "format": MARKER_FORMAT,
-                "stage": stage,
-                "key": key,
-                # microseconds: history orders checkpoints without a training step by it
-                "committed_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-                **sealed,
-                "checksum": key_of(sealed),
-            },
-            indent=1,
-        )
+        marker = {
+            "format": MARKER_FORMAT,
+            "stage": stage,
+            "key": key,
+            # microseconds: history orders checkpoints without a training step by it
+            "committed_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
+            **sealed,
+            "checksum": key_of(sealed),
+        }
+        if self.remote is None:
+            write_json_atomic(directory / MARKER_NAME, marker, indent=1)
+            return directory
+        prefix = self._entry_key(stage, key)
+        with ThreadPoolExecutor(TRANSFERS) as pool:
+            list(pool.map(lambda name: self.remote.upload(f"{prefix}/{name}", directory / name), files))
+        self.remote.put(f"{prefix}/{MARKER_NAME}",
+                        json.dumps(marker, sort_keys=True, indent=1, ensure_ascii=False).encode("utf-8"))
         return directory
 
     def remove(self, stage: str, key: str) -> None:
@@ -373,6 +517,10 @@ class Store:
         The marker goes first, so no reader ever sees a half-deleted entry as complete.
         """
         directory = self.entry(stage, key)
+        if self.remote is not None:
+            prefix = self._entry_key(stage, key)
+            self.remote.delete([f"{prefix}/{MARKER_NAME}"])
+            self.remote.delete_prefix(prefix)
         try:
             os.unlink(directory / MARKER_NAME)
         except FileNotFoundError:
@@ -382,16 +530,26 @@ class Store:
     # ------------------------------------------------------------ concurrency
 
     @contextmanager
-    def lock(self, stage: str, key: str, timeout: float | None = None) -> Iterator[None]:
-        """Hold an exclusive inter-process lock on (stage, key) for the `with` block.
+    def lock(self, stage: str, key: str, timeout: float | None = None) -> Iterator[Any]:
+        """Hold an exclusive lock on (stage, key), across processes and machines, for the `with` block.
 
-        `fcntl.flock` on `<key>.lock` beside the entry: the OS releases it when the
+        Local: `fcntl.flock` on `<key>.lock` beside the entry: the OS releases it when the
         holder exits or is killed, so a crashed run never blocks the next one (a lock
         *file* would). The lock file is never deleted: deleting it while another
         process waits on it would let a third one lock a fresh file at the same time.
+        Object storage: the lease object `<key>.lock` beside the entry (storage.object_storage), which
+        expires when its holder stops renewing it; it yields the `Lease` (its `check()` raises if it
+        was lost), locally None.
         `timeout` None waits forever; otherwise raises `LockTimeout`. Not re-entrant
         within one process (a second `lock` on the same entry waits for the first).
         """
+        if self.remote is not None:
+            try:
+                with self.remote.lease(f"{self._entry_key(stage, key)}.lock", timeout=timeout) as lease:
+                    yield lease
+            except LockBusy as e:
+                raise LockTimeout(str(e)) from None
+            return
         directory = self.entry(stage, key)
         directory.parent.mkdir(parents=True, exist_ok=True)
         lock_path = directory.parent / f"{key}.lock"
@@ -446,7 +604,7 @@ class Store:
             else:
                 if _unfit(entry, upstream, holds) is None:
                     return Outcome(entry.record, entry.content)
-        with self.lock(stage, key, timeout=timeout):
+        with self.lock(stage, key, timeout=timeout) as lease:
             try:
                 old = self.read_entry(stage, key)
             except EntryMissing as e:
@@ -465,6 +623,8 @@ class Store:
                 self.remove(stage, key)
             directory = self.begin(stage, key)
             record = extend(directory, old) if miss.kind == LACKING else compute(directory)
+            if lease is not None:
+                lease.check()  # never commit what another process may be computing since our lease lapsed
             self.commit(stage, key, record, upstream=upstream() if upstream else None, skip=skip)
             return Outcome(record, self.content(stage, key), miss)
 
@@ -484,6 +644,10 @@ def _unfit(entry: Entry, upstream, holds) -> Miss | None:
     if holds is not None and not holds(entry):
         return Miss(LACKING, "does not hold everything asked", entry)
     return None
+
+
+def _is_entry(stage: str, fan_out: str, key: str) -> bool:
+    return bool(_STAGE_RE.fullmatch(stage) and _KEY_RE.fullmatch(key)) and fan_out == key[:2]
 
 
 def _parse_marker(raw: bytes, stage: str, key: str) -> tuple[str | None, Entry | None]:

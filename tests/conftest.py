@@ -128,3 +128,37 @@ def prefect_api_url():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3 API server (moto's, a process on loopback) for the session, with the AWS_* environment that
+    points obstore (and child processes) at it: its endpoint URL. Starting it takes about 2 s, once; the tests
+    that use it stay in the fast lane."""
+    from tests.s3_server import running_s3_server
+
+    with running_s3_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture
+def s3_url(s3_server, request):
+    """A fresh s3:// store URL (its own prefix in the session's bucket) for one test."""
+    from tests.s3_server import fresh_prefix
+
+    return fresh_prefix(request.node.name)
+
+
+@pytest.fixture(params=["local", "s3"])
+def any_store(request, tmp_path, monkeypatch):
+    """The conformance tests' store: a local folder, then a prefix on the S3 server, this machine's copy of it
+    in tmp_path/cache ($DFLASH_STORE_CACHE, so child processes share it)."""
+    from dflash_eval.storage import Store
+
+    if request.param == "local":
+        return Store(tmp_path / "store")
+    request.getfixturevalue("s3_server")
+    from tests.s3_server import fresh_prefix
+
+    monkeypatch.setenv("DFLASH_STORE_CACHE", str(tmp_path / "cache"))
+    return Store(fresh_prefix(request.node.name))

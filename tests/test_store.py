@@ -37,11 +37,12 @@ def _wait_for(path: Path, timeout: float = 60.0) -> None:
 
 
 @contextmanager
-def worker_started(worker, root: Path, stage: str, key: str, seconds: float, kill: bool = False):
-    """A spawned process running `worker(root, stage, key, marker, seconds)`, yielded once it has written its
-    marker file (it computes or holds the lock from then on); joined on exit, after a SIGKILL if `kill`."""
-    marker = root / "marker"
-    process = SPAWN.Process(target=worker, args=(root, stage, key, marker, seconds))
+def worker_started(worker, store: Store, folder: Path, stage: str, key: str, seconds: float, kill: bool = False):
+    """A spawned process running `worker(store location, stage, key, marker, seconds)`, yielded once it has
+    written its marker file in `folder` (it computes or holds the lock from then on); joined on exit, after a
+    SIGKILL if `kill`."""
+    marker = folder / "marker"
+    process = SPAWN.Process(target=worker, args=(store.location, stage, key, marker, seconds))
     process.start()
     try:
         _wait_for(marker)
@@ -50,6 +51,32 @@ def worker_started(worker, root: Path, stage: str, key: str, seconds: float, kil
         if kill:
             os.kill(process.pid, signal.SIGKILL)
         process.join(timeout=60)
+
+
+def elsewhere(store: Store, tmp_path: Path) -> Store:
+    """The same store as another machine sees it: on object storage, with a copy of its own."""
+    return Store(store.location, cache=tmp_path / "elsewhere") if store.remote else store
+
+
+def overwrite(store: Store, stage: str, key: str, name: str, data: bytes) -> None:
+    """Change a file of the entry where the store keeps its truth (the bucket, or the folder)."""
+    if store.remote:
+        store.remote.put(f"{stage}/{key[:2]}/{key}/{name}", data)
+    else:
+        (store.entry(stage, key) / name).write_bytes(data)
+
+
+def stored_files(store: Store, stage: str, key: str) -> list[str]:
+    """The names of the entry's files where the store keeps its truth."""
+    if store.remote:
+        prefix = f"{stage}/{key[:2]}/{key}/"
+        return sorted(m["path"].removeprefix(prefix) for m in store.remote.objects(prefix))
+    return sorted(p.name for p in store.entry(stage, key).iterdir())
+
+
+def committed(store: Store, stage: str, key: str) -> bool:
+    """Whether the entry's marker is there (unchecked)."""
+    return (stage, key, True) in store.entries()
 
 
 # ---------------------------------------------------------------- layout and records
@@ -101,8 +128,8 @@ def test_stage_and_key_are_validated(tmp_path, stage, key):
         Store(tmp_path).entry(stage, key)
 
 
-def test_miss_is_named(tmp_path):
-    store = Store(tmp_path)
+def test_miss_is_named(any_store):
+    store = any_store
     with pytest.raises(EntryMissing, match="absent") as info:
         store.read_record("drafts", KEY)
     assert (info.value.stage, info.value.key) == ("drafts", KEY)
@@ -112,8 +139,8 @@ def test_miss_is_named(tmp_path):
     assert not store.is_complete("drafts", KEY)
 
 
-def test_commit_round_trip_and_begin_clears_marker(tmp_path):
-    store = Store(tmp_path)
+def test_commit_round_trip_and_begin_clears_marker(any_store):
+    store = any_store
     directory = store.begin("references", KEY)
     write_json_atomic(directory / "references.json", {"ids": [[1, 2, 3]]})
     store.commit("references", KEY, {"n": 1})
@@ -126,8 +153,8 @@ def test_commit_round_trip_and_begin_clears_marker(tmp_path):
     assert read_json(directory / "references.json") == {"ids": [[1, 2, 3]]}
 
 
-def test_commit_needs_begin_and_a_dict(tmp_path):
-    store = Store(tmp_path)
+def test_commit_needs_begin_and_a_dict(any_store):
+    store = any_store
     with pytest.raises(FileNotFoundError, match="not begun"):
         store.commit("scores", KEY, {})
     store.begin("scores", KEY)
@@ -135,12 +162,12 @@ def test_commit_needs_begin_and_a_dict(tmp_path):
         store.commit("scores", KEY, [1, 2])
 
 
-def test_remove(tmp_path):
-    store = Store(tmp_path)
+def test_remove(any_store):
+    store = any_store
     store.begin("scores", KEY)
     store.commit("scores", KEY, {"tau": 3.5})
     store.remove("scores", KEY)
-    assert not store.entry("scores", KEY).exists()
+    assert not store.entry("scores", KEY).exists() and not store.entries()
     with pytest.raises(EntryMissing, match="absent"):
         store.read_record("scores", KEY)
     store.remove("scores", KEY)  # removing a missing entry is fine
@@ -156,14 +183,14 @@ def test_remove(tmp_path):
         b'{"format": 99, "stage": "scores", "key": "' + KEY.encode() + b'", "record": {}}',
     ],
 )
-def test_corrupt_marker_is_a_miss_with_warning(tmp_path, content):
-    store = Store(tmp_path)
-    directory = store.begin("scores", KEY)
-    (directory / "scores.json").write_text("{}")
-    (directory / "entry.json").write_bytes(content)
+def test_corrupt_marker_is_a_miss_with_warning(any_store, content):
+    store = any_store
+    store.begin("scores", KEY)
+    overwrite(store, "scores", KEY, "scores.json", b"{}")
+    overwrite(store, "scores", KEY, "entry.json", content)
     with pytest.warns(CorruptEntryWarning, match="corrupt"):
         assert not store.is_complete("scores", KEY)
-    assert not (directory / "entry.json").exists()
+    assert not committed(store, "scores", KEY)
     with pytest.raises(EntryMissing, match="incomplete"):
         store.read_record("scores", KEY)
     # The next run recomputes it.
@@ -191,8 +218,8 @@ def _write(value):
     return compute
 
 
-def test_get_or_compute_runs_only_on_a_miss_and_names_it(tmp_path):
-    store = Store(tmp_path)
+def test_get_or_compute_runs_only_on_a_miss_and_names_it(any_store):
+    store = any_store
     calls = []
 
     def compute(directory):
@@ -209,8 +236,8 @@ def test_get_or_compute_runs_only_on_a_miss_and_names_it(tmp_path):
     assert calls == [store.entry("drafts", KEY)]
 
 
-def test_on_miss_is_told_why_before_anything_is_removed_or_computed(tmp_path):
-    store = Store(tmp_path)
+def test_on_miss_is_told_why_before_anything_is_removed_or_computed(any_store):
+    store = any_store
     store.get_or_compute("scores", KEY, _write(1))
     seen = []
 
@@ -227,8 +254,8 @@ def test_on_miss_is_told_why_before_anything_is_removed_or_computed(tmp_path):
     assert len(seen) == 2
 
 
-def test_refresh_removes_the_entry_whole_and_recomputes_it(tmp_path):
-    store = Store(tmp_path)
+def test_refresh_removes_the_entry_whole_and_recomputes_it(any_store):
+    store = any_store
     old = store.get_or_compute("scores", KEY, _write(1))
     (store.entry("scores", KEY) / "extra.bin").write_bytes(b"of the old entry")
     store.commit("scores", KEY, {"value": 1})  # extra.bin is part of the committed entry now
@@ -241,11 +268,11 @@ def test_refresh_removes_the_entry_whole_and_recomputes_it(tmp_path):
     (store.begin("drafts", KEY) / "partial.bin").write_bytes(b"half")
     fresh = store.get_or_compute("drafts", KEY, _write(3), refresh=True)
     assert fresh.miss.kind == REFRESH and fresh.miss.entry is None
-    assert sorted(p.name for p in store.entry("drafts", KEY).iterdir()) == ["entry.json", "out.json"]
+    assert stored_files(store, "drafts", KEY) == ["entry.json", "out.json"]
 
 
-def test_an_entry_built_on_changed_content_is_removed_whole_and_recomputed_with_the_miss_named(tmp_path):
-    store = Store(tmp_path)
+def test_an_entry_built_on_changed_content_is_removed_whole_and_recomputed_with_the_miss_named(any_store):
+    store = any_store
     label = entry_label("drafts", KEY)
     upstream = lambda: upstream_digests(store, [label])  # noqa: E731
     store.get_or_compute("drafts", KEY, _write(1))
@@ -270,20 +297,22 @@ def test_an_entry_built_on_changed_content_is_removed_whole_and_recomputed_with_
     assert not store.get_or_compute("scores", OTHER_KEY, _write("d"), upstream=upstream).computed
 
 
-def test_a_damaged_entry_is_recomputed_with_what_was_damaged_named(tmp_path):
-    store = Store(tmp_path)
+def test_a_damaged_entry_is_recomputed_with_what_was_damaged_named(any_store, tmp_path):
+    store = any_store
     store.get_or_compute("scores", KEY, _write(1))
-    (store.entry("scores", KEY) / "out.json").write_text('{"value": 9}')  # same size, another content
-    (store.entry("scores", KEY) / "kept.bin").write_bytes(b"resumable")
+    overwrite(store, "scores", KEY, "out.json", b'{"value": 9}')  # same size, another content
+    overwrite(store, "scores", KEY, "kept.bin", b"resumable")
+    reader = elsewhere(store, tmp_path)  # on object storage: a machine without its own good copy
     with pytest.warns(CorruptEntryWarning, match="out.json"):
-        outcome = store.get_or_compute("scores", KEY, _write(1))
+        outcome = reader.get_or_compute("scores", KEY, _write(1))
     assert outcome.miss.kind == DAMAGED and outcome.record == {"value": 1}
     assert outcome.miss.reason.startswith("damaged, removed (out.json: sha256 differs")
-    assert (store.entry("scores", KEY) / "kept.bin").exists()  # undamaged files stay: a stage may resume
+    assert "kept.bin" in stored_files(store, "scores", KEY)  # undamaged files stay: a stage may resume
+    assert store.read_record("scores", KEY) == {"value": 1}
 
 
-def test_a_fresh_entry_that_lacks_what_is_asked_is_extended_in_place(tmp_path):
-    store = Store(tmp_path)
+def test_a_fresh_entry_that_lacks_what_is_asked_is_extended_in_place(any_store):
+    store = any_store
     entry = store.entry("features", KEY)
 
     def layers(*ids):
@@ -310,8 +339,8 @@ def test_a_fresh_entry_that_lacks_what_is_asked_is_extended_in_place(tmp_path):
         store.get_or_compute("features", KEY, layers(3), holds=holds(3))
 
 
-def test_failed_compute_commits_nothing_and_keeps_partial_files_for_the_resume(tmp_path):
-    store = Store(tmp_path)
+def test_failed_compute_commits_nothing_and_keeps_partial_files_for_the_resume(any_store):
+    store = any_store
 
     def crash(directory):
         (directory / "partial.bin").write_bytes(b"half")
@@ -332,10 +361,10 @@ def test_failed_compute_commits_nothing_and_keeps_partial_files_for_the_resume(t
     assert (resumed.miss.kind, resumed.miss.reason) == (ABSENT, "incomplete (no entry.json)")
 
 
-def test_the_stage_tasks_log_each_miss_and_whether_a_refresh_reproduced_the_content(tmp_path, capsys):
+def test_the_stage_tasks_log_each_miss_and_whether_a_refresh_reproduced_the_content(any_store, capsys):
     from dflash_eval.tasks.stage import get_or_compute
 
-    store = Store(tmp_path)
+    store = any_store
     upstream = lambda: upstream_digests(store, [entry_label("drafts", KEY)])  # noqa: E731
     assert get_or_compute(store, "drafts", KEY, _write(1)).computed
     assert f"drafts/{KEY} is absent: computing it" in capsys.readouterr().err
@@ -366,13 +395,13 @@ def test_the_stage_tasks_log_each_miss_and_whether_a_refresh_reproduced_the_cont
 
 
 @pytest.mark.slow  # starts processes or waits on purpose
-def test_second_process_waits_then_reads_the_committed_entry(tmp_path):
-    store = Store(tmp_path)
+def test_second_process_waits_then_reads_the_committed_entry(any_store, tmp_path):
+    store = any_store
 
     def must_not_run(directory):
         raise AssertionError("the waiting process computed the entry itself")
 
-    with worker_started(storage_workers.compute_slowly, tmp_path, "drafts", KEY, 1.5) as computing:
+    with worker_started(storage_workers.compute_slowly, store, tmp_path, "drafts", KEY, 1.5) as computing:
         t0 = time.monotonic()
         outcome = store.get_or_compute("drafts", KEY, must_not_run, timeout=60)
         waited = time.monotonic() - t0
@@ -383,12 +412,12 @@ def test_second_process_waits_then_reads_the_committed_entry(tmp_path):
 
 
 @pytest.mark.slow  # starts processes or waits on purpose
-def test_processes_that_need_an_entry_at_once_compute_it_once(tmp_path):
+def test_processes_that_need_an_entry_at_once_compute_it_once(any_store, tmp_path):
     n = 4
     barrier, log = SPAWN.Barrier(n), tmp_path / "computed.log"
     results = [tmp_path / f"outcome_{i}.json" for i in range(n)]
     workers = [SPAWN.Process(target=storage_workers.compute_at_once,
-                             args=(tmp_path / "store", "drafts", KEY, barrier, log, results[i])) for i in range(n)]
+                             args=(any_store.location, "drafts", KEY, barrier, log, results[i])) for i in range(n)]
     for worker in workers:
         worker.start()
     for worker in workers:
@@ -401,17 +430,19 @@ def test_processes_that_need_an_entry_at_once_compute_it_once(tmp_path):
 
 
 @pytest.mark.slow  # starts processes or waits on purpose
-def test_lock_timeout_and_release_when_the_holder_is_killed(tmp_path):
-    store = Store(tmp_path)
-    with worker_started(storage_workers.hold_lock, tmp_path, "features", KEY, 120, kill=True) as holder:
-        with pytest.raises(LockTimeout, match="another process holds it"):
+def test_lock_timeout_and_release_when_the_holder_is_killed(any_store, tmp_path, monkeypatch):
+    # on object storage a killed holder's lease expires: a short one here (the holder's is what counts)
+    monkeypatch.setenv("DFLASH_LOCK_LEASE_SECONDS", "2")
+    store = any_store
+    with worker_started(storage_workers.hold_lock, store, tmp_path, "features", KEY, 120, kill=True) as holder:
+        with pytest.raises(LockTimeout, match="another process holds it|is held by .*:%d:" % holder.pid):
             with store.lock("features", KEY, timeout=0.2):
                 pass
         with store.lock("features", OTHER_KEY, timeout=0.2):  # other entries are not blocked
             pass
         with pytest.raises(LockTimeout):
             store.get_or_compute("features", KEY, lambda d: {"computed": "without the lock"}, timeout=0.2)
-        assert not (store.entry("features", KEY) / "entry.json").exists()
+        assert not committed(store, "features", KEY)
     assert holder.exitcode == -signal.SIGKILL
     t0 = time.monotonic()
     with store.lock("features", KEY, timeout=10):

@@ -28,7 +28,7 @@ def history_command(store: StoreRoot = None):
 
     groups = history(Store(store))
     if not groups:
-        typer.echo(f"no scored checkpoint in {Store(store).root}")
+        typer.echo(f"no scored checkpoint in {Store(store).location}")
         return
     console = Console(width=160)
     for group in groups:
@@ -106,7 +106,7 @@ def verify_command(
         typer.echo(str(problem))
     for name in report.incomplete:
         typer.echo(f"incomplete {name}: no entry.json (an interrupted run; the next run resumes it)")
-    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {Store(store).root}: "
+    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {Store(store).location}: "
                f"{len(report.problems)} problems")
     if repair and report.repaired:
         typer.echo(f"repaired: removed {len(report.repaired)} damaged or stale items; the next run recomputes "
