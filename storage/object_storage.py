@@ -84,13 +84,21 @@ def local_path(location: str) -> Path:
 class Lease:
     """A lock held on object storage: renewed in the background until released."""
 
+    storage: "ObjectStorage"
     key: str
     owner: str
     lost: threading.Event
 
     def check(self) -> None:
-        """Raise LockLost if another process took the lock over since it was taken."""
-        if self.lost.is_set():
+        """Raise LockLost if another process took the lock over since it was taken: asks the server (a holder
+        that stalled has not renewed, so its renewer has not noticed yet)."""
+        try:
+            raw, _ = self.storage.get(self.key)
+            held = _parse_lock(raw)["owner"] == self.owner
+        except FileNotFoundError:
+            held = False
+        if self.lost.is_set() or not held:
+            self.lost.set()
             raise LockLost(f"the lock {self.key} expired while this process held it (it stalled for longer than "
                            f"the {LEASE_SECONDS:.0f} s lease) and another process took it over: nothing was "
                            "committed; run again")
@@ -216,7 +224,7 @@ class ObjectStorage:
         `timeout` seconds (None: waits forever)."""
         owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
         e_tag = self._acquire(key, owner, timeout)
-        lease = Lease(key, owner, threading.Event())
+        lease = Lease(self, key, owner, threading.Event())
         stop = threading.Event()
         renewer = threading.Thread(target=self._renew, args=(key, owner, e_tag, stop, lease.lost), daemon=True,
                                    name=f"lease {key}")
