@@ -193,8 +193,9 @@ class _ObjectFiles:
         self.storage.delete_prefix(prefix)
 
     def array_folders(self) -> list[str]:
-        return sorted({"/".join(meta["path"].split("/")[:2]) for meta in self.storage.objects("layer_")
-                       if meta["path"].count("/") >= 2})
+        # (object storage lists by whole path segments: no listing of "layer_*" by prefix)
+        return sorted({"/".join(meta["path"].split("/")[:2]) for meta in self.storage.objects()
+                       if meta["path"].startswith("layer_") and meta["path"].count("/") >= 2})
 
 
 class FeatureStore:

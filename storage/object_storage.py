@@ -194,8 +194,8 @@ class ObjectStorage:
         return size, digest.hexdigest()
 
     def objects(self, prefix: str = "") -> list[dict]:
-        """Every object under `prefix` (recursively): [{"path" (relative to this storage's prefix), "size",
-        "e_tag", ...}]."""
+        """Every object under `prefix` (recursively), which matches whole path segments ("a/b" lists "a/b/c",
+        never "a/bc"): [{"path" (relative to this storage's prefix), "size", "e_tag", ...}]."""
         with self._errors(prefix or "/"):
             return [meta for batch in obstore.list(self._store, prefix=prefix or None, chunk_size=1000)
                     for meta in batch]

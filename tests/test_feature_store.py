@@ -303,3 +303,11 @@ def test_two_processes_write_different_sequences_at_once(raw):
     for seq in range(n_sequences):
         expected = torch.stack([hidden_for(layer, seq, rows_for(seq), width) for layer in layers])
         _assert_bit_exact(store.read(layers, seq, verify=True), expected)
+
+
+def test_arrays_lists_every_array_folder_complete_or_not(raw):
+    store = FeatureStore(raw.location)
+    store.write(1, 0, hidden_for(1, 0, 5, 4))
+    store.write(12, 3, hidden_for(12, 3, 5, 4))
+    store._clear_marker("layer_12/seq_3")
+    assert store.arrays() == [(1, 0), (12, 3)] and store.missing([1, 12], 1) == [(12, 0)]
