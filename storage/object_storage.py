@@ -299,7 +299,7 @@ class ObjectStorage:
         except obstore.exceptions.BaseError as e:
             where = f" at {self.endpoint}" if self.endpoint else ""
             raise ObjectStorageError(
-                f"object storage {self.url}{where} failed on {key}: {_first_line(e)}. Check that the server is up "
+                f"object storage {self.url}{where} failed on {key or 'a listing'}: {_first_line(e)}. Check that the server is up "
                 "(AWS_ENDPOINT_URL), the bucket exists and the credentials (AWS_ACCESS_KEY_ID, "
                 "AWS_SECRET_ACCESS_KEY) are accepted") from None
 

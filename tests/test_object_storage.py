@@ -2,6 +2,9 @@
 test there runs on a local folder and on moto's S3 server) cover: store URLs, an unreachable server, lease
 locks that expire and are taken over, and a second machine with its own copy."""
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -179,3 +182,19 @@ def test_a_store_entry_written_by_one_machine_is_listed_and_removed_everywhere(s
     assert second.keys("scores") == [KEY] and second.is_complete("scores", KEY)
     second.remove("scores", KEY)
     assert first.keys("scores") == [] and first.entries() == []
+
+
+@pytest.mark.slow  # starts processes
+def test_the_store_commands_say_in_one_line_when_the_store_cannot_be_used(tmp_path):
+    dead = {**os.environ, "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y", "DFLASH_STORE_CACHE": str(tmp_path / "cache")}
+    for command, store, expected in (
+        (["verify"], "gs://evals/dflash", "error: --store: store 'gs://evals/dflash': gs:// is not supported"),
+        (["report", "--out", "out"], "gs://evals/dflash", "error: --store: store 'gs://evals/dflash': gs:// is not supported"),
+        (["history"], "s3://evals/dflash", "error: object storage s3://evals/dflash at http://127.0.0.1:"),
+    ):
+        done = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", *command, "--store", store], env=dead,
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr.startswith(expected), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing created (no "gs:" folder, no copy)

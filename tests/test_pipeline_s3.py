@@ -3,6 +3,8 @@ lengths as on a local store, a second machine (another process with a copy of it
 one computed, and a SIGKILL during extraction resumed without rewriting a finished array."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -56,7 +58,13 @@ def test_an_evaluation_on_object_storage_equals_the_local_one_and_a_second_machi
     assert results["per_prompt"] == local_earlier["per_prompt"]
     # what the second machine copied: the records it read, never the feature arrays
     assert (tmp_path / "second-machine").is_dir() and not list((tmp_path / "second-machine").rglob("features.zarr"))
-    assert Store(s3_url).keys("scores") and len(Store(s3_url).keys("scores")) == 2
+    assert len(Store(s3_url).keys("scores")) == 2
+
+    # the store's commands take the URL as they take a folder
+    for command, expected in ((["history"], f"{results['tau_macro']:.3f}"), (["verify"], " 0 problems")):
+        shown = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", *command, "--store", s3_url],
+                               capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0 and expected in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_a_killed_extraction_on_object_storage_resumes_without_rewriting_finished_arrays(

@@ -31,8 +31,13 @@ app.add_typer(relay.app, name="relay")
 
 def main():
     """The `dflash-eval` console script."""
+    from dflash_eval.storage.object_storage import ObjectStorageError
+
     try:
         app()
+    except ObjectStorageError as e:  # the store's server went away (or refused us) mid-command: one line
+        typer.secho(f"error: {e}", err=True, fg="red")
+        raise SystemExit(2) from None
     finally:
         # The command is done. The interpreter's last garbage collection would walk the millions of objects
         # torch, transformers and Prefect leave (1.5 s on 2 cores, after every other exit hook) to free memory

@@ -17,6 +17,16 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def open_store(store: str | None):
+    """The store `--store` names (a folder or s3://BUCKET/PREFIX), or one line saying why not (exit 2)."""
+    from dflash_eval.storage import Store
+
+    try:
+        return Store(store)
+    except ValueError as e:
+        fail(f"--store: {e}")
+
+
 def configure_threads(threads: int | None) -> None:
     """This process's thread budget, set before anything computes (tasks/threads.py)."""
     from dflash_eval.tasks.threads import configure_threads as configure

@@ -5,7 +5,7 @@ from typing import Annotated
 
 import typer
 
-from .common import fail, token_from_file
+from .common import fail, open_store, token_from_file
 from .options import StoreRoot, example
 
 app = typer.Typer(help="Move checkpoints from a training box to this one over HTTP.", no_args_is_help=True)
@@ -78,14 +78,14 @@ def relay_ls(
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_eval.storage import Store
     from dflash_eval.storage.relay.client import RelayClient, RelayError
     from dflash_eval.storage.schema import Stage
 
     try:
         client = RelayClient(url, token=token_from_file(token_file, "--token-file"))
         checkpoints = client.list_checkpoints()
-        held = [Store(store).is_complete(Stage.FETCH, client.manifest(c["path"])["key"]) for c in checkpoints]
+        held_in = open_store(store)
+        held = [held_in.is_complete(Stage.FETCH, client.manifest(c["path"])["key"]) for c in checkpoints]
     except RelayError as e:
         fail(str(e))
     table = Table(title=f"{url}: {len(checkpoints)} checkpoints")

@@ -7,9 +7,8 @@ from typing import Annotated
 import typer
 
 from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT
-from dflash_eval.flows.store_paths import store_root
 
-from .common import bind_report_server
+from .common import bind_report_server, open_store
 from .options import StoreRoot, example
 
 app = typer.Typer()
@@ -24,11 +23,10 @@ def history_command(store: StoreRoot = None):
     from rich.table import Table
 
     from dflash_eval.flows.history import history
-    from dflash_eval.storage import Store
 
-    groups = history(Store(store))
+    groups = history(open_store(store))
     if not groups:
-        typer.echo(f"no scored checkpoint in {Store(store).location}")
+        typer.echo(f"no scored checkpoint in {open_store(store).location}")
         return
     console = Console(width=160)
     for group in groups:
@@ -66,15 +64,14 @@ def report_command(
     `dflash-eval report --serve --host 0.0.0.0 --port 8765`.
     """
     from dflash_eval.flows.report import NothingToReport, write_report
-    from dflash_eval.storage import Store
 
     if out is None and not serve:
         raise typer.BadParameter("give the folder to write the report into (or --serve: <store>/report)",
                                  param_hint="--out")
-    out = store_root(store) / "report" if out is None else out
+    out = open_store(store).root / "report" if out is None else out
     server = bind_report_server(out, host, port, "--port") if serve else None  # a taken port fails before any work
     try:
-        html_path = write_report(Store(store), out, last=last)
+        html_path = write_report(open_store(store), out, last=last)
     except NothingToReport as e:
         if server is not None:
             server.stop()
@@ -98,15 +95,14 @@ def verify_command(
     chunk files, JSON that parses, and whether it was built on content that has changed since (stale).
     Prints each problem as `stage/key: what: why`; exits 1 if there is any, 0 if the store is clean.
     Reads every byte of the store (features included)."""
-    from dflash_eval.storage import Store
     from dflash_eval.storage.integrity import verify_store
 
-    report = verify_store(Store(store), repair=repair)
+    report = verify_store(open_store(store), repair=repair)
     for problem in report.problems:
         typer.echo(str(problem))
     for name in report.incomplete:
         typer.echo(f"incomplete {name}: no entry.json (an interrupted run; the next run resumes it)")
-    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {Store(store).location}: "
+    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {open_store(store).location}: "
                f"{len(report.problems)} problems")
     if repair and report.repaired:
         typer.echo(f"repaired: removed {len(report.repaired)} damaged or stale items; the next run recomputes "
