@@ -11,3 +11,6 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # fp16 (DESIGN.md). "auto" is the target checkpoint's own dtype.
 AUTO_DTYPE = "auto"
 STAGE_DTYPE_NAMES = ("float32", "bfloat16")
+
+# Prompts the drafts stage replays together (one replay group; on a Dask cluster, one shard).
+DEFAULT_REPLAY_GROUP = 64

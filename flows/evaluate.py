@@ -12,6 +12,10 @@ With `baseline` (e.g. the published drafter for the same target) that drafter is
 (cached after its first run) and shows as its own row in `dflash-eval history` and the report.
 After scoring the flow rewrites the store's report and publishes Prefect artifacts under keys
 stable per target and prompt set (flows/artifacts.py).
+
+With `dask_address` the features and drafts stages compute on the workers of that Dask cluster, shard by
+shard (tasks/cluster.py); the scheduler is asked before any stage runs, and the results say which worker
+computed each shard.
 """
 
 import inspect
@@ -22,12 +26,14 @@ from prefect import flow, get_client, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
+from dflash_core.choices import DEFAULT_REPLAY_GROUP
 from dflash_core.drafter import SLIDING_SEMANTICS, read_drafter_config
 from dflash_eval.flows.artifacts import publish
 from dflash_eval.flows.checks import InputError, inputs_of_run
 from dflash_eval.flows.choices import STAGES, DeviceName, StageName
 from dflash_eval.storage import Store, read_json
 from dflash_eval.tasks.baselines import mark_baseline
+from dflash_eval.tasks.cluster import ClusterUnreachable, check_cluster
 from dflash_eval.tasks.diagnostics import diagnose, layers_needed
 from dflash_eval.tasks.drafts import draft
 from dflash_eval.tasks.features import extract_target_features
@@ -36,7 +42,7 @@ from dflash_eval.tasks.heavy import heavy_stages_at_once
 from dflash_eval.tasks.references import generate_references
 from dflash_eval.tasks.scores import score
 from dflash_eval.tasks.stage import refusals_fail_cleanly
-from dflash_eval.tasks.progress import series_key
+from dflash_eval.tasks.progress import series_key, stage_logger
 from dflash_eval.tasks.target import AUTO, DTYPE_CHOICES, resolve_dtype, target_tokenizer
 from dflash_eval.tasks.threads import leases_threads
 
@@ -100,6 +106,21 @@ def _add_tags(tags: list[str]) -> None:
         client.update_flow_run(flow_run.id, tags=[*run.tags, *(t for t in tags if t not in run.tags)])
 
 
+def check_dask_address(address: str | None) -> int | None:
+    """Ask the Dask scheduler at `address` (None: no cluster) who it is, before any work: its workers now,
+    or InputError naming the address and what to do when none answers (tasks/cluster.py: check_cluster)."""
+    if not address:
+        return None
+    try:
+        workers = check_cluster(address)
+    except ClusterUnreachable as e:
+        raise InputError(str(e)) from None
+    if workers == 0:  # not an error: workers may join later, and the shards wait for them
+        stage_logger().warning(f"--dask {address}: the scheduler has no workers yet; the features and drafts "
+                               "stages wait for one to join")
+    return workers
+
+
 def outcome(results: dict) -> str:
     """One line with what an evaluation found: the final log line and the flow run's state message."""
     low, high = results["tau_macro_ci95"]
@@ -136,6 +157,8 @@ def evaluate_checkpoint(
     checkpoint_wait: float = DEFAULT_WAIT_SECONDS,
     settle_seconds: float | None = None,
     threads: int | None = None,
+    replay_group: int = DEFAULT_REPLAY_GROUP,
+    dask_address: str | None = None,
 ) -> dict:
     """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
@@ -175,11 +198,20 @@ def evaluate_checkpoint(
             $DFLASH_SETTLE_SECONDS, else 30).
         threads: CPU threads this run computes with (empty: the process's budget, else this machine's cores /
             the heavy stages allowed at once on it).
+        replay_group: Prompts the drafts stage replays together (part of the drafts key unless 64); on a
+            Dask cluster, one shard each.
+        dask_address: A Dask scheduler (tcp://HOST:PORT) whose workers compute the features and drafts
+            stages, shard by shard (empty: this process). The workers need this package, the store and the
+            target at the same path.
     """
     # a deployment's templated parameters arrive as "" when their variable is unset
     reference = reference or "local"
     drafter_config, reference_api_key_file = drafter_config or None, reference_api_key_file or None
+    dask_address = dask_address or None
+    if isinstance(replay_group, bool) or not isinstance(replay_group, int) or replay_group < 1:
+        raise InputError(f"replay_group must be a whole number of at least 1, got {replay_group!r}")
     inputs = inputs_of_run(locals())  # the parameters, as normalised just above
+    check_dask_address(dask_address)  # before any stage: a dead scheduler gets one message, nothing computed
     refresh = set(refresh or ())
     run = stages_to_run(until)
     _add_tags(run_tags(target, prompts, source_step(drafter), until, refresh))
@@ -190,7 +222,7 @@ def evaluate_checkpoint(
         get_run_logger().warning(f"--dtype {dtype_choice.requested}: {dtype_choice.note}")
     elif dtype_choice.requested == AUTO:
         get_run_logger().info(f"--dtype auto: {dtype}, the target checkpoint's own")
-    root = str(Store(store).root.resolve())
+    root = Store(store).location  # what every task reopens the store from (a folder, or s3://...)
     states, outputs = {}, {}
 
     def step(stage, task_fn, *args, name=None, **kwargs):
@@ -225,16 +257,17 @@ def evaluate_checkpoint(
         if with_baseline:
             wanted |= set(baseline_layer_ids)
         features = step("features", extract_target_features, target, refs, tuple(sorted(wanted)), dtype=dtype,
-                        device=device)
+                        device=device, dask_address=dask_address)
     if "drafts" in run:
         drafts = step("drafts", draft, checkpoint, features, refs, target,
-                      sliding_semantics=sliding_semantics, dtype=dtype, device=device, all_positions=all_positions)
+                      sliding_semantics=sliding_semantics, dtype=dtype, device=device, all_positions=all_positions,
+                      replay_group=replay_group, dask_address=dask_address)
     if "scores" in run:
         scores = step("scores", score, drafts, refs)
     if with_baseline:
         baseline_drafts = step("drafts", draft, baseline_checkpoint, features, refs, target, name="baseline drafts",
                                sliding_semantics=sliding_semantics, dtype=dtype, device=device,
-                               all_positions=all_positions)
+                               all_positions=all_positions, replay_group=replay_group, dask_address=dask_address)
         step("scores", score, baseline_drafts, refs, name="baseline scores")
     if "diagnostics" in run:
         step("diagnostics", diagnose, checkpoint, features, refs, drafts, scores, target, dtype=dtype, device=device)
@@ -259,6 +292,13 @@ def evaluate_checkpoint(
         "stages": {s: "cached" if st.name == "Cached" else "ran" for s, st in states.items()},
         "keys": {s: out.key for s, out in outputs.items()},
     })
+    if replay_group != DEFAULT_REPLAY_GROUP:  # (only then: results of other runs stay as they were)
+        results["replay_group"] = replay_group
+    if dask_address:
+        # per stage, the workers that computed its shards (when this run or an earlier one computed it on a cluster)
+        results["cluster"] = {"dask_address": dask_address, "shards": {
+            stage: list(out.shards) if getattr(out, "shards", None) else None
+            for stage, out in outputs.items() if stage in ("features", "drafts", "baseline drafts")}}
     if with_baseline:
         baseline_scores = read_json(outputs["baseline scores"].path)
         results["baseline"] = {
@@ -269,7 +309,7 @@ def evaluate_checkpoint(
         results["diagnostics"] = read_json(outputs["diagnostics"].path)
     if "scores" not in run:
         return results
-    publish(results, Store(root), Path(report_dir) if report_dir else Path(root) / "report")
+    publish(results, Store(root), Path(report_dir) if report_dir else Store(root).root / "report")
     _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
     found = outcome(results)
     get_run_logger().info(found)

@@ -24,12 +24,14 @@ class Stage(StrEnum):
     SCORES = "scores"
     DIAGNOSTICS = "diagnostics"
     BASELINES = "baselines"  # one entry per checkpoint key scored as a baseline
+    DRAFT_SHARDS = "draft-shards"  # one replay group of a drafts entry drafted on a Dask worker (tasks/cluster.py)
 
 
 # Files of an entry that another stage, or a reader, opens.
 DRAFTS_FILE = "drafts.json"  # drafts: per prompt, the decode steps of the replay
 SCORES_FILE = "scores.json"  # scores: dflash_core.metrics.summarize and what the stage adds to it
 DIAGNOSTICS_FILE = "diagnostics.json"  # diagnostics: ablation, offset probe, sliding switch, divergences
+DRAFT_SHARD_FILE = "shard.json"  # draft-shards: drafts.json's per_prompt items of one replay group
 
 _OMITTED_WHEN_NONE = "omitted when None"
 
@@ -101,6 +103,9 @@ class FeaturesRecord(_Record):
     n: int  # sequences (references)
     references: str  # the references key
     dtype: str
+    # computed on a Dask cluster (--dask): per shard, the sequences it extracted and the worker that did
+    # (tasks/cluster.py: worker, host, pid, seconds); None when extracted in the flow's own process
+    shards: tuple[dict[str, Any], ...] | None = _written_when_set()
 
 
 @dataclass(frozen=True)
@@ -112,6 +117,28 @@ class DraftsRecord(_Record):
     block_size: int
     sliding_semantics: str
     layer_ids: tuple[int, ...]  # the target layers the drafter reads
+    # drafted on a Dask cluster (--dask): per shard (one replay group), its prompts [start, stop) and the
+    # worker that drafted it (tasks/cluster.py); None when drafted in the flow's own process
+    shards: tuple[dict[str, Any], ...] | None = _written_when_set()
+
+
+@dataclass(frozen=True)
+class DraftShardRecord(_Record):
+    """One replay group of a drafts entry, drafted on a Dask worker (tasks/cluster.py), in shard.json; the
+    drafts stage merges the shards' per-prompt items in prompt order into drafts.json."""
+
+    drafts: str  # the drafts key
+    start: int  # its prompts: start .. stop-1 (reference indices)
+    stop: int
+    worker: str  # the Dask worker's address
+    host: str
+    pid: int
+    seconds: float  # how long the worker drafted it
+
+    def shard(self) -> dict[str, Any]:
+        """What the drafts record and the results say of this shard."""
+        return {"prompts": [self.start, self.stop], "worker": self.worker, "host": self.host, "pid": self.pid,
+                "seconds": self.seconds}
 
 
 @dataclass(frozen=True)

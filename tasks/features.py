@@ -5,6 +5,10 @@ needs other layer ids extracts only the (layer, sequence) arrays not yet held. E
 completion marker (storage.feature_store), which is the truth about what is held: a killed run, a
 deleted sequence or a lost chunk is resumed by extracting exactly the missing arrays.
 
+With a Dask cluster (`dask_address`, tasks/cluster.py) the arrays are extracted by its workers, one shard per
+batch of the batch plan a single process follows (so bit for bit the same arrays), each written straight into
+the entry; this process holds the entry's lock meanwhile and commits once every shard is done.
+
 The stages that replay from the features read them through `FeatureReader`: every array is checked
 against the sha256 in its marker as it is read (VERIFY_READS; benchmarks/bench_verify.py measures the
 cost), and a damaged one is reported and extracted again, so changed bytes never change a tau. The
@@ -12,8 +16,11 @@ entry records the content digest of the references it was extracted from; refere
 with another content make it stale, and it is extracted again.
 """
 
+from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from prefect import task
@@ -50,6 +57,7 @@ class FeatureSet:
     path: str  # the entry folder (features.zarr inside)
     layer_ids: tuple[int, ...]
     n: int
+    shards: tuple[dict[str, Any], ...] | None = None  # FeaturesRecord.shards: who extracted them on a cluster
 
 
 @task(name="features", cache_policy=NONE, persist_result=False)
@@ -61,17 +69,17 @@ def extract_target_features(
     dtype: str = "float32",
     device: str = "cpu",
     refresh: bool = False,
+    dask_address: str | None = None,
 ):
     """Extract the hidden states of `layer_ids` that the store does not hold yet (absent, incomplete,
-    or with a lost or short chunk: each such array is named in the log)."""
+    or with a lost or short chunk: each such array is named in the log); with `dask_address`, on the
+    workers of that Dask cluster (tasks/cluster.py: `target_dir` must be the same path on every worker)."""
     store = Store(store_root)
     key = key_of({
         "target": target_key(target_dir, store), "references": refs.key, "dtype": dtype,
         "device": torch.device(device).type, "extractor": EXTRACTOR_VERSION,
     })
-    entry = store.entry(STAGE, key)
-    features = FeatureSet(key=key, path=str(entry), layer_ids=tuple(layer_ids), n=refs.n)
-    feature_store = FeatureStore.in_entry(entry)
+    feature_store = store.feature_store(key)
     labels = [entry_label(Stage.REFERENCES, refs.key)]
 
     def extract(directory: Path, kept: Entry | None = None) -> dict:
@@ -84,11 +92,19 @@ def extract_target_features(
                        for layer, n in lost[:5]]
             stage_logger().warning(f"{STAGE}/{key} is damaged: {len(lost)} arrays missing or damaged "
                                    f"({'; '.join(reasons)}{'; ...' if len(lost) > 5 else ''}): extracting them again")
-        if missing:
+        shards = None
+        if missing and dask_address:  # the workers compute: this process takes no heavy-stage slot
+            from .cluster import extract_on_cluster
+
+            shards = extract_on_cluster(dask_address, store, key, refs, target_dir, missing, dtype, device)
+            if still_missing := feature_store.missing(layer_ids, refs.n):
+                raise RuntimeError(f"{STAGE}/{key}: the cluster's shards left {len(still_missing)} arrays unwritten "
+                                   f"(first: layer_{still_missing[0][0]}/seq_{still_missing[0][1]})")
+        elif missing:
             with heavy_stage():
                 _extract(target_dir, refs, missing, feature_store, dtype, device)
         return FeaturesRecord(layer_ids=tuple(sorted(set(held) | set(layer_ids))), n=refs.n, references=refs.key,
-                              dtype=dtype).to_record()
+                              dtype=dtype, shards=shards).to_record()
 
     def layers_digest(replaced: Entry) -> str | None:
         # what a refresh must reproduce: the asked layers that the replaced entry held, not the whole entry
@@ -99,6 +115,8 @@ def extract_target_features(
                              upstream=lambda: upstream_digests(store, labels),
                              holds=lambda _: not feature_store.missing(layer_ids, refs.n), extend=extract,
                              skip=(FEATURES_DIRNAME,), compared=layers_digest)
+    features = FeatureSet(key=key, path=str(store.entry(STAGE, key)), layer_ids=tuple(layer_ids), n=refs.n,
+                          shards=FeaturesRecord.from_record(outcome.record).shards)
     return features if outcome.computed else cached(features)
 
 
@@ -122,7 +140,7 @@ class FeatureReader:
                  dtype: str, device: str):
         self.features, self.refs, self.target_dir = features, refs, target_dir
         self.store, self.dtype, self.device = Store(store_root), dtype, device
-        self.feature_store = FeatureStore.in_entry(features.path)
+        self.feature_store = self.store.feature_store(features.key)
         self.repaired: list[tuple[int, int]] = []
 
     def read(self, layer_ids, seq_index: int) -> torch.Tensor:
@@ -159,21 +177,28 @@ class FeatureReader:
                 self.repaired += todo
 
 
-def _extract(target_dir, refs, missing, feature_store, dtype, device) -> None:
+def extraction_batches(sequences: Sequence[Sequence[int]], missing) -> list[list[int]]:
+    """The batches (sequence indices) that extract the `missing` (layer, sequence) arrays: those of the fixed
+    plan over ALL sequences that hold a missing one. Batched results depend (in the last bits) on which
+    sequences share a batch, so a resumed run, a repair or a cluster's shard recomputes a missing sequence
+    in the batch it had the first time, and gets bit for bit the same arrays."""
+    wanted = {n for _, n in missing}
+    return [b for b in length_sorted_batches([len(s) for s in sequences], BATCH_SIZE) if any(n in wanted for n in b)]
+
+
+def _extract(target_dir, refs, missing, feature_store, dtype, device, progress: bool = True) -> None:
+    # progress: a stage's own bar and artifact (a cluster's shard leaves those to the stage that submitted it)
     sequences = [item.reference.token_ids for item in load_references(refs)]
     missing_by_seq: dict[int, set[int]] = {}
     for layer_id, n in missing:
         missing_by_seq.setdefault(n, set()).add(layer_id)
-    # Fixed batches over ALL sequences: batched results depend (in the last bits) on which sequences
-    # share a batch, so a resumed run recomputes a missing sequence in the batch it had the first time.
-    batches = [b for b in length_sorted_batches([len(s) for s in sequences], BATCH_SIZE)
-               if any(n in missing_by_seq for n in b)]
+    batches = extraction_batches(sequences, missing)
     target = loaded_target(target_dir, dtype, device)
     # a forward processes a batch's tokens: a small target on short sequences computes faster on fewer threads
     tokens_per_forward = max(len(b) * max(len(sequences[n]) for n in b) for b in batches)
     done = 0
-    with StageProgress(STAGE, "target hidden states", sum(len(b) for b in batches)) as progress, \
-            compute_threads(work_per_op=parameter_count(target.model) * tokens_per_forward):
+    shown = StageProgress(STAGE, "target hidden states", sum(len(b) for b in batches)) if progress else nullcontext()
+    with shown as bar, compute_threads(work_per_op=parameter_count(target.model) * tokens_per_forward):
         for batch in batches:
             layers = sorted(set().union(*(missing_by_seq.get(n, set()) for n in batch)))
             out = extract_features(target, [sequences[n] for n in batch], layers, batch_size=len(batch))
@@ -182,4 +207,5 @@ def _extract(target_dir, refs, missing, feature_store, dtype, device) -> None:
                     if layer_id in missing_by_seq.get(n, ()):
                         feature_store.write(layer_id, n, hidden[k])
             done += len(batch)
-            progress.update(done)
+            if bar is not None:
+                bar.update(done)

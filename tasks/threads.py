@@ -270,6 +270,13 @@ def configure_threads(threads: int | None = None, heavy_at_once: int | None = No
     return now
 
 
+def budget_is_set() -> bool:
+    """Whether this process has a thread budget yet (a flow run started by a command keeps the command's).
+    A function, not the global itself, in the flow's wrapper: a flow run's context is pickled for the task
+    runs a Dask cluster computes (tasks/cluster.py), and the budget holds a lock, which does not pickle."""
+    return _budget is not None
+
+
 def thread_budget() -> ThreadBudget:
     """This process's budget (configure_threads() with the defaults, if nothing set one yet)."""
     if _budget is None:
@@ -315,7 +322,7 @@ def leases_threads(heavy_at_once: Callable[[], int | None] = lambda: None, inval
             threads = signature.bind(*args, **kwargs).arguments.get("threads")
             if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
                 raise invalid(f"threads must be a whole number of at least 1 (or none: the default), got {threads!r}")
-            configure_threads(threads, heavy_at_once() if threads is None and _budget is None else None,
+            configure_threads(threads, heavy_at_once() if threads is None and not budget_is_set() else None,
                               set_default=False)
             before = torch.get_num_threads()
             torch.set_num_threads(1)

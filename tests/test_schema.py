@@ -5,8 +5,8 @@ import json
 import pytest
 
 from dflash_eval.storage import Store, key_of
-from dflash_eval.storage.schema import (BaselineRecord, DiagnosticsRecord, DraftsRecord, FeaturesRecord, FetchRecord,
-                                        ReferencesRecord, ScoresRecord, Stage)
+from dflash_eval.storage.schema import (BaselineRecord, DiagnosticsRecord, DraftShardRecord, DraftsRecord,
+                                        FeaturesRecord, FetchRecord, ReferencesRecord, ScoresRecord, Stage)
 
 KEY = key_of({"schema": 1})
 
@@ -52,3 +52,18 @@ def test_older_records_take_the_defaults_and_a_missing_required_key_is_a_key_err
     assert references.target is None and references.stop_token_ids == (2,)
     with pytest.raises(KeyError, match="tau_pooled"):
         ScoresRecord.from_record({"tau_macro": 3.0, "drafts": KEY})
+
+
+def test_shards_are_recorded_only_when_a_cluster_computed_them():
+    shard = {"prompts": [0, 8], "worker": "tcp://10.0.0.2:4011", "host": "w2", "pid": 7, "seconds": 1.5}
+    drafts = dict(checkpoint=KEY, features=KEY, block_size=8, sliding_semantics="causal", layer_ids=[1, 2])
+    assert DraftsRecord(**{**drafts, "layer_ids": (1, 2)}).to_record() == drafts  # no shards key: as before
+    on_cluster = DraftsRecord(**{**drafts, "layer_ids": (1, 2)}, shards=(shard,))
+    assert on_cluster.to_record() == {**drafts, "shards": [shard]}
+    assert DraftsRecord.from_record(on_cluster.to_record()) == on_cluster
+    features = FeaturesRecord(layer_ids=(1,), n=8, references=KEY, dtype="float32",
+                              shards=({"sequences": [0, 1], "arrays": 2, "worker": "tcp://10.0.0.2:4011"},))
+    assert FeaturesRecord.from_record(features.to_record()).shards == features.shards
+    piece = DraftShardRecord(drafts=KEY, start=0, stop=8, worker="tcp://10.0.0.2:4011", host="w2", pid=7, seconds=1.5)
+    assert DraftShardRecord.from_record(piece.to_record()) == piece and piece.shard() == shard
+    assert Stage.DRAFT_SHARDS == "draft-shards"

@@ -23,11 +23,12 @@ def evaluate(parameters: dict, temperature: float = 0.0, out: Path | None = None
     from dflash_core.drafter import DrafterError
     from dflash_core.reference.backends import BackendError
     from dflash_eval.flows.checks import InputError, check_out, checked_before_run
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows.evaluate import check_dask_address, evaluate_checkpoint
     from dflash_eval.tasks.fetch import CheckpointError
 
     try:
         check_out(out)
+        check_dask_address(parameters.get("dask_address"))  # a dead scheduler: one message before any work
         with checked_before_run(evaluate_checkpoint, parameters, temperature):
             if _local_server_needed():  # after the checks: bad input costs no server start-up
                 from dflash_eval.flows.local_server import tie_local_server  # imports Prefect's server (~1 s): only to start one

@@ -15,7 +15,7 @@ from typing import Annotated, get_type_hints
 import typer
 from typer.core import TyperGroup
 
-from dflash_core.choices import AUTO_DTYPE, DTYPE_NAMES, SLIDING_SEMANTICS, STAGE_DTYPE_NAMES
+from dflash_core.choices import AUTO_DTYPE, DEFAULT_REPLAY_GROUP, DTYPE_NAMES, SLIDING_SEMANTICS, STAGE_DTYPE_NAMES
 from dflash_eval.flows.choices import DEVICES, STAGES
 
 Stage = StrEnum("Stage", [(stage, stage) for stage in STAGES])  # what `stage NAME` runs
@@ -64,8 +64,8 @@ Drafter = Annotated[str, typer.Option("--drafter", help="Drafter checkpoint fold
 Prompts = Annotated[str, typer.Option("--prompts", help="A suite (math, code, chat, multiturn) or a JSONL file: id + "
                                       "one of text/messages/turns/input_ids, optional category.")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Greedy reference length limit per prompt.")]
-StoreRoot = Annotated[str | None, typer.Option("--store", help="Store root (default $DFLASH_STORE, else "
-                                               "./.dflash-store).")]
+StoreRoot = Annotated[str | None, typer.Option("--store", help="The store: a folder or s3://BUCKET/PREFIX (default "
+                                               "$DFLASH_STORE, else ./.dflash-store).")]
 DtypeOption = Annotated[Dtype, typer.Option("--dtype", help="auto (the target checkpoint's own dtype; a float16 one "
                                             "computes in float32), float32 or bfloat16: target and drafter compute "
                                             "dtype.")]
@@ -103,6 +103,13 @@ Threads = Annotated[int | None, typer.Option(
     "--threads", min=1, help="CPU threads torch computes with in this process (default: $OMP_NUM_THREADS, else this "
     "machine's cores shared by the runs by hand computing on it at the time; ops of small models take fewer, where "
     "that is faster; see tasks/threads.py).")]
+ReplayGroup = Annotated[int, typer.Option(
+    "--replay-group", min=1, help=f"Prompts the drafts stage replays together (their blocks share replay's batches, "
+    f"so it is part of the drafts key unless {DEFAULT_REPLAY_GROUP}); on a Dask cluster, one shard each.")]
+DaskAddress = Annotated[str | None, typer.Option(
+    "--dask", envvar="DFLASH_DASK_ADDRESS", metavar="ADDRESS", help="Compute the features and drafts stages on the "
+    "workers of the Dask scheduler at ADDRESS (tcp://HOST:PORT), shard by shard; the workers need this package, "
+    "the store and the target at the same path (tasks/cluster.py). Default: this process.")]
 ResultsOut = Annotated[Path | None, typer.Option("--out", help="Write the results JSON here.")]
 
 
@@ -134,6 +141,8 @@ class Settings(OptionGroup):
     include: Include = None
     checkpoint_wait: CheckpointWait = 300.0
     settle_seconds: SettleSeconds = 30.0
+    replay_group: ReplayGroup = DEFAULT_REPLAY_GROUP
+    dask_address: DaskAddress = None
 
     def parameters(self) -> dict:
         """These as flow parameters: choices by name, files as absolute paths (flow runs may start elsewhere)."""
@@ -142,7 +151,8 @@ class Settings(OptionGroup):
                 "reference_api_key_file": absolute(self.reference_api_key_file) if self.reference_api_key_file else None,
                 "drafter_config": absolute(self.drafter_config) if self.drafter_config else None,
                 "include": self.include or None, "checkpoint_wait": self.checkpoint_wait,
-                "settle_seconds": self.settle_seconds}
+                "settle_seconds": self.settle_seconds, "replay_group": self.replay_group,
+                "dask_address": self.dask_address or None}
 
 
 @dataclass(frozen=True)
