@@ -1,11 +1,16 @@
 """Beyond one machine: the features stage of the tiny run on a Dask cluster of 2 workers against 1, and store
 reads from an S3 server against a local store.
 
-1. extraction: a `dask scheduler` and `dask worker --nthreads 1` processes on loopback (as the tests start
-   them), then the features stage of the tiny run (its eval prompts) through `--dask`, into a fresh store
-   each time: once with 1 worker, once with 2. Prints seconds and the ratio (2 workers / 1). Each worker
-   computes with one torch thread; on this 2-core machine the flow process and the scheduler share the
-   cores with them, so the ratio is the floor of what real machines give.
+1. extraction: the features stage of the tiny run (its 32 eval prompts: 4 batches, so 4 shards) in this
+   process, then through `--dask` on a `dask scheduler` with 1 and with 2 `dask worker --nthreads 1`
+   processes on loopback (tests/dask_cluster.py, as the tests start them), each into a fresh store holding
+   the same references (in this process on one thread, as each worker), twice per cluster: new workers (each imports the stages and loads the target on its
+   first shard) and warm ones (a long-lived cluster's steady state: the target stays loaded in each worker
+   process). The features task run's own time (its Running to its end, from the Prefect server) is timed.
+   Prints seconds and the ratios (2 workers / 1, 1 worker / this process). Each worker
+   computes on one torch thread; on a 2-core machine the flow process and the scheduler share the cores
+   with them, and the tiny target extracts a batch in well under a second, so per-shard overheads (a
+   Prefect task run, the first load of the target in each worker) weigh far more than at a real shape.
 2. store reads: the feature arrays the drafts stage reads (float32 [T, H] per layer and sequence, verified
    against their sha256 as FeatureReader reads them), from a local store and from a store on moto's S3
    server (a Python process on loopback: far slower per request than S3 itself, so the ratio is the
@@ -37,6 +42,62 @@ def best_of(n: int, fn) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
+
+
+def extraction(args, work: Path) -> None:
+    import shutil
+
+    from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.dask_cluster import Cluster
+
+    tiny = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
+    common = dict(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]), prompts=str(tiny.prompts_file),
+                  max_new_tokens=args.max_new_tokens)
+    # the references once: every timed run extracts from a copy of them
+    evaluate_checkpoint(**common, store=str(work / "references"), until="references")
+
+    def features_seconds(name: str, dask_address: str | None) -> float:
+        store = work / name
+        shutil.copytree(work / "references" / "references", store / "references")
+        state = evaluate_checkpoint(**common, store=str(store), until="features", dask_address=dask_address,
+                                    return_state=True)
+        results = state.result()
+        assert results["stages"]["features"] == "ran"
+        seconds = task_run_seconds(state.state_details.flow_run_id, "features")
+        shards = results.get("cluster", {}).get("shards", {}).get("features", [])
+        workers = len({s["worker"] for s in shards})
+        print(f"features stage, {name}: {seconds:.1f} s" + (f" ({len(shards)} shards on {workers} workers)"
+                                                            if shards else ""))
+        return seconds
+
+    features_seconds("in this process, first", None)  # this process's first target load, not timed
+    seconds = {"here": features_seconds("in this process", None)}
+    for n in (1, 2):
+        logs = work / f"dask-{n}"
+        logs.mkdir()
+        cluster = Cluster(logs, workers=n)
+        workers = f"{n} worker{'s' if n > 1 else ''}"
+        try:
+            seconds[n, "new"] = features_seconds(f"{workers}, new (imports, target loads)", cluster.address)
+            seconds[n] = features_seconds(f"{workers}, warm", cluster.address)
+        finally:
+            cluster.stop()
+    print(f"extraction, warm workers: 2 workers / 1 worker = {seconds[2] / seconds[1]:.2f} (time); "
+          f"1 worker / in this process = {seconds[1] / seconds['here']:.2f}; new workers: 2 / 1 = "
+          f"{seconds[2, 'new'] / seconds[1, 'new']:.2f}")
+
+
+def task_run_seconds(flow_run_id, name: str) -> float:
+    """How long the flow run's task `name` ran, from its Running to its final state (the server's clock: the
+    flow run's own start and end, and its polling, left out)."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    (run,) = [r for r in runs if r.name.rsplit("-", 1)[0] == name]
+    return (run.end_time - run.start_time).total_seconds()
 
 
 def store_reads(args, work: Path) -> None:
@@ -80,12 +141,16 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--sequences", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--max-new-tokens", type=int, default=448,
+                        help="of the tiny run's references (extraction; the tiny target has 512 positions)")
     parser.add_argument("--skip-extraction", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    from dflash_eval.tasks.threads import configure_threads
+
+    configure_threads(1)  # as each worker computes (dask worker --nthreads 1): the in-process run is comparable
     with tempfile.TemporaryDirectory() as work:
         if not args.skip_extraction:
-            extraction(Path(work))
+            extraction(args, Path(work))
         store_reads(args, Path(work))
 
 

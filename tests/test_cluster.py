@@ -9,16 +9,14 @@ answer gets one message before any work.
 
 import os
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.dask_cluster import Cluster, free_port
 from tests.tiny_models import first_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -27,14 +25,7 @@ N_PROMPTS = 24  # three feature batches (tasks/features.py: BATCH_SIZE 8), three
 MAX_NEW = 48
 REPLAY_GROUP = 8
 SHARD_SECONDS = 1.0  # each shard's compute takes this much longer on the test's workers (cluster_worker_preload.py)
-DASK = Path(sys.executable).parent / "dask"
 PRELOAD = Path(__file__).parent / "cluster_worker_preload.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(condition, seconds: float, what: str, every: float = 0.05):
@@ -46,82 +37,10 @@ def wait_for(condition, seconds: float, what: str, every: float = 0.05):
     raise AssertionError(f"timed out after {seconds} s waiting for {what}")
 
 
-class Cluster:
-    """A Dask scheduler and its workers, each a process of its own (workers without a nanny: killing one
-    kills that worker, and nothing restarts it)."""
-
-    def __init__(self, logs: Path, api_url: str):
-        self.logs, self.address = logs, f"tcp://127.0.0.1:{free_port()}"
-        # the workers' environment: this one (PREFECT_HOME, PATH) with the test server, one torch thread each
-        self.env = {**os.environ, "PREFECT_API_URL": api_url, "OMP_NUM_THREADS": "1",
-                    "DFLASH_TEST_SHARD_SECONDS": str(SHARD_SECONDS), "DASK_TEMPORARY_DIRECTORY": str(logs)}
-        self.env.pop("DFLASH_DASK_ADDRESS", None)
-        self.scheduler = self._start("scheduler", "scheduler", "--host", "127.0.0.1",
-                                     "--port", self.address.rsplit(":", 1)[1], "--no-dashboard")
-        self.workers: list[subprocess.Popen] = []
-        for _ in range(2):
-            self.start_worker()
-        self.wait_for_workers(2)
-
-    def _start(self, name: str, *arguments: str) -> subprocess.Popen:
-        log = open(self.logs / f"{name}.log", "w")
-        return subprocess.Popen([str(DASK), *arguments], env=self.env, stdout=log, stderr=subprocess.STDOUT)
-
-    def start_worker(self) -> None:
-        # each worker a machine of its own: its own copy of a store on object storage
-        self.env["DFLASH_STORE_CACHE"] = str(self.logs / f"store-copy-{len(self.workers)}")
-        self.workers.append(self._start(f"worker-{len(self.workers)}", "worker", self.address, "--nthreads", "1",
-                                        "--no-nanny", "--no-dashboard", "--host", "127.0.0.1",
-                                        "--death-timeout", "60", "--preload", str(PRELOAD)))
-
-    def client(self):
-        import distributed
-
-        return distributed.Client(self.address, timeout=30, set_as_default=False)
-
-    def wait_for_workers(self, n: int) -> None:
-        with self.client() as client:
-            deadline = time.monotonic() + 180
-            while len(client.nthreads()) != n:  # exactly n: a killed worker has left
-                assert time.monotonic() < deadline, f"{len(client.nthreads())} workers, not {n}: {self.log_tails()}"
-                time.sleep(0.2)
-
-    def worker_pids(self) -> dict[str, int]:
-        """{worker address: its process id}."""
-        with self.client() as client:
-            return client.run(os.getpid)
-
-    def kill_busy_worker(self) -> tuple[str, bool]:
-        """SIGKILL a worker that has a shard to run now (else any worker); returns (its address, whether it had
-        one)."""
-        with self.client() as client:
-            processing = client.processing()
-            pids = client.run(os.getpid)
-        busy = [address for address, keys in processing.items() if keys and address in pids]
-        victim = (busy or sorted(pids))[0]
-        os.kill(pids[victim], signal.SIGKILL)
-        return victim, bool(busy)
-
-    def log_tails(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(self.logs.glob("*.log")))
-
-    def stop(self) -> None:
-        # the workers first: one whose scheduler has gone waits for it (--death-timeout) before it exits
-        for group in (self.workers, [self.scheduler]):
-            for process in group:
-                if process.poll() is None:
-                    process.terminate()
-            for process in group:
-                try:
-                    process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, prefect_api_url, s3_server):  # the workers inherit the S3 server's environment
-    started = Cluster(tmp_path_factory.mktemp("dask-logs"), prefect_api_url)
+    started = Cluster(tmp_path_factory.mktemp("dask-logs"), api_url=prefect_api_url, preload=PRELOAD,
+                      env={"DFLASH_TEST_SHARD_SECONDS": str(SHARD_SECONDS)})
     try:
         yield started
     finally:
