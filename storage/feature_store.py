@@ -460,7 +460,12 @@ class FeatureStore:
         """
         if len(layer_ids) == 0:
             raise ValueError("layer_ids is empty")
-        layers = [self.read_layer(layer_id, seq_index, verify=verify) for layer_id in layer_ids]
+        if isinstance(self._files, _LocalFiles):
+            layers = [self.read_layer(layer_id, seq_index, verify=verify) for layer_id in layer_ids]
+        else:  # object storage: each layer is a few round trips; overlap them
+            with ThreadPoolExecutor(len(layer_ids)) as pool:
+                layers = list(pool.map(lambda layer_id: self.read_layer(layer_id, seq_index, verify=verify),
+                                       layer_ids))
         first = layers[0]
         for layer_id, layer in zip(layer_ids, layers):
             if layer.shape != first.shape or layer.dtype != first.dtype:

@@ -253,7 +253,7 @@ def draft_shard(store_location: str, drafts_key: str, checkpoint, features, refs
         check_compatible(drafter, embed.shape[1], embed.shape[0])
         items = load_references(local_refs)[start:stop]
         reader = FeatureReader(features, local_refs, target_dir, store.location, dtype, device)
-        feats = (reader.read(drafter.target_layer_ids, n).to(device) for n in range(start, stop))
+        feats = (f.to(device) for f in reader.read_each(drafter.target_layer_ids, range(start, stop)))
         with replay_threads(drafter, stop - start):
             results = replay(drafter, embed, lm_head, [item.reference for item in items], feats,
                              all_positions=all_positions)

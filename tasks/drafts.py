@@ -129,7 +129,7 @@ def draft(
         with StageProgress(STAGE, "prompts drafted", len(items)) as progress, replay_threads(drafter, len(items)):
             for start, stop in replay_groups(len(items), replay_group):
                 group = range(start, stop)
-                feats = (feature_reader.read(drafter.target_layer_ids, n).to(device) for n in group)
+                feats = (f.to(device) for f in feature_reader.read_each(drafter.target_layer_ids, group))
                 results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats,
                                   all_positions=all_positions)
                 progress.update(len(results))

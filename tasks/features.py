@@ -16,7 +16,9 @@ entry records the content digest of the references it was extracted from; refere
 with another content make it stale, and it is extracted again.
 """
 
-from collections.abc import Sequence
+import contextvars
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,6 +159,22 @@ class FeatureReader:
                 damaged[(layer_id, seq_index)] = e.reason
         self.repair(damaged)
         return self.feature_store.read(layer_ids, seq_index, verify=VERIFY_READS)
+
+    def read_each(self, layer_ids, indices) -> Iterator[torch.Tensor]:
+        """`read` of each sequence of `indices` in turn, the next one read while the caller works on this
+        one (a replay computes on a prompt's features meanwhile; on object storage a read waits on round
+        trips). Holds at most two sequences' features."""
+        indices = list(indices)
+
+        def read(n):
+            return contextvars.copy_context().run(self.read, layer_ids, n)  # the run's logger, in the thread
+
+        with ThreadPoolExecutor(1) as pool:
+            ahead = pool.submit(read, indices[0]) if indices else None
+            for i in range(len(indices)):
+                current = ahead.result()
+                ahead = pool.submit(read, indices[i + 1]) if i + 1 < len(indices) else None
+                yield current
 
     def repair(self, damaged: dict[tuple[int, int], str]) -> None:
         """Extract the arrays `damaged` names ({(layer, sequence): reason}) again."""

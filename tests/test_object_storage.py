@@ -48,6 +48,8 @@ def test_a_store_url_of_another_scheme_or_without_a_bucket_is_refused_never_made
 
 def test_store_locations(tmp_path, monkeypatch):
     assert Store(f"file://{tmp_path}/store").root == tmp_path / "store"
+    monkeypatch.setenv("DFLASH_STORE", "s3://evals/from-the-environment")
+    assert Store().location == "s3://evals/from-the-environment"
     assert Store(tmp_path).location == str(tmp_path)
     monkeypatch.setenv("DFLASH_STORE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
