@@ -223,7 +223,7 @@ class Store:
     def location(self) -> str:
         """What `Store(location)` opens again on any machine (a task's `store_root`): the object store's URL,
         or the absolute folder."""
-        return self.remote.url if self.remote is not None else str(self.root.absolute())
+        return self.remote.url if self.remote is not None else str(self.root.resolve())
 
     def feature_store(self, key: str):
         """The feature arrays of features entry `key` (storage.feature_store): in the entry's folder, or
