@@ -222,7 +222,8 @@ def evaluate_checkpoint(
         get_run_logger().warning(f"--dtype {dtype_choice.requested}: {dtype_choice.note}")
     elif dtype_choice.requested == AUTO:
         get_run_logger().info(f"--dtype auto: {dtype}, the target checkpoint's own")
-    root = Store(store).location  # what every task reopens the store from (a folder, or s3://...)
+    opened = Store(store)
+    root = opened.location  # what every task reopens the store from (a folder, or s3://...)
     states, outputs = {}, {}
 
     def step(stage, task_fn, *args, name=None, **kwargs):
@@ -309,7 +310,7 @@ def evaluate_checkpoint(
         results["diagnostics"] = read_json(outputs["diagnostics"].path)
     if "scores" not in run:
         return results
-    publish(results, Store(root), Path(report_dir) if report_dir else Store(root).root / "report")
+    publish(results, opened, Path(report_dir) if report_dir else opened.root / "report")
     _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
     found = outcome(results)
     get_run_logger().info(found)

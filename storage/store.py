@@ -373,29 +373,16 @@ class Store:
 
         def check(item) -> Damage | None:
             name, recorded = item
-            path, small = directory / name, recorded["size"] <= VERIFY_ON_READ_BYTES
-            try:
-                size = path.stat().st_size
-            except (FileNotFoundError, NotADirectoryError):
-                size = None
-            if size == recorded["size"] and not (small or full):
+            if _local_damage(directory, name, recorded, full) is None:  # this machine's copy is good
                 return None
-            if size == recorded["size"] and file_sha256(path) == recorded["sha256"]:
-                return None
-            if not (small or full or every_file):
+            if not (recorded["size"] <= VERIFY_ON_READ_BYTES or full or every_file):
                 meta = self.remote.head(f"{prefix}/{name}")
-                if meta is None:
-                    return Damage(name, "missing")
-                return None if meta["size"] == recorded["size"] else \
-                    Damage(name, f"{meta['size']} bytes, {recorded['size']} at commit")
+                return _mismatch(name, recorded, meta and meta["size"])
             try:
-                size, sha256 = self.remote.download(f"{prefix}/{name}", path)
+                size, sha256 = self.remote.download(f"{prefix}/{name}", directory / name)
             except FileNotFoundError:
-                return Damage(name, "missing")
-            if size != recorded["size"]:
-                return Damage(name, f"{size} bytes, {recorded['size']} at commit")
-            return None if sha256 == recorded["sha256"] else \
-                Damage(name, "sha256 differs from the one recorded at commit")
+                size = sha256 = None
+            return _mismatch(name, recorded, size, sha256)
 
         with ThreadPoolExecutor(TRANSFERS) as pool:
             return [d for d in pool.map(check, sorted(files.items())) if d is not None]
@@ -716,19 +703,30 @@ def _file_damage(directory: Path, files: dict[str, dict[str, Any]] | None, full:
                 except (UnicodeDecodeError, ValueError) as e:
                     damage.append(Damage(path.name, f"not JSON ({e})"))
         return damage
-    damage = []
-    for name, recorded in files.items():
-        path = directory / name
-        try:
-            size = path.stat().st_size
-        except (FileNotFoundError, NotADirectoryError):
-            damage.append(Damage(name, "missing"))
-            continue
-        if size != recorded["size"]:
-            damage.append(Damage(name, f"{size} bytes, {recorded['size']} at commit"))
-        elif (full or size <= VERIFY_ON_READ_BYTES) and file_sha256(path) != recorded["sha256"]:
-            damage.append(Damage(name, "sha256 differs from the one recorded at commit"))
-    return damage
+    return [d for name, recorded in files.items() if (d := _local_damage(directory, name, recorded, full))]
+
+
+def _local_damage(directory: Path, name: str, recorded: dict[str, Any], full: bool) -> Damage | None:
+    """What is wrong with file `name` of an entry's folder: missing, resized, or (hashed when small or `full`)
+    changed."""
+    path = directory / name
+    try:
+        size = path.stat().st_size
+    except (FileNotFoundError, NotADirectoryError):
+        size = None
+    hashed = size == recorded["size"] and (full or size <= VERIFY_ON_READ_BYTES)
+    return _mismatch(name, recorded, size, file_sha256(path) if hashed else None)
+
+
+def _mismatch(name: str, recorded: dict[str, Any], size: int | None, sha256: str | None = None) -> Damage | None:
+    """Damage when a file's size (None: missing) or sha256 (None: not hashed) differs from those recorded."""
+    if size is None:
+        return Damage(name, "missing")
+    if size != recorded["size"]:
+        return Damage(name, f"{size} bytes, {recorded['size']} at commit")
+    if sha256 is not None and sha256 != recorded["sha256"]:
+        return Damage(name, "sha256 differs from the one recorded at commit")
+    return None
 
 
 def _unlink_if_same_file(path: Path, inode: int) -> bool:

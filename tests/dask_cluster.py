@@ -3,19 +3,13 @@ benchmarks/bench_cluster.py start them (`dask scheduler`, `dask worker --nthread
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+from tests.ports import free_port
 
 DASK = Path(sys.executable).parent / "dask"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Cluster:

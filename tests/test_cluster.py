@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.dask_cluster import Cluster, free_port
+from tests.dask_cluster import Cluster
+from tests.ports import free_port
 from tests.tiny_models import first_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -5,7 +5,6 @@ new checkpoint once in step order, and heavy stages of concurrent runs take turn
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -17,18 +16,13 @@ import pytest
 from dflash_eval.flows.evaluate import STAGES
 from dflash_eval.storage.relay.server import RelayServer
 
+from tests.ports import free_port
 from tests.tiny_models import first_prompts
 
 pytestmark = pytest.mark.slow
 
 N_PROMPTS = 6
 MAX_NEW = 32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(condition, timeout: float, what: str, every: float = 0.5):

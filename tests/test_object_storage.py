@@ -17,7 +17,7 @@ from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, key_of
 from dflash_eval.storage import store as store_module
 from dflash_eval.storage.integrity import verify_store
 from dflash_eval.storage.object_storage import LockLost, ObjectStorage, ObjectStorageError
-from tests.s3_server import free_port
+from tests.ports import free_port
 
 KEY = key_of({"test": "object storage"})
 

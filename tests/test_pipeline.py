@@ -50,6 +50,15 @@ def cli(tiny, store, *extra, step=-1, api_url, runner=("-m", "dflash_eval.flows.
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
+def run_to_results(tiny, store, out: Path, *, api_url, **kwargs) -> dict:
+    """`dflash-eval run ... --out out` in its own process, to the end: its results (the test fails with the
+    command's output if it fails)."""
+    process = cli(tiny, store, "run", "--out", str(out), api_url=api_url, **kwargs)
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode == 0, output
+    return json.loads(out.read_text())
+
+
 def files_of(directory: Path) -> dict[str, tuple[str, int]]:
     """relative path -> (sha256, mtime_ns) of every file under directory (lock files aside)."""
     return {
@@ -203,10 +212,7 @@ def test_killed_extraction_resumes_without_redoing_finished_sequences(tiny, tmp_
                 if json.loads((features_entry / "features.zarr" / name / "zarr.json").read_text())["attributes"]["complete"]}
     assert len(complete) == 5
 
-    resumed = cli(tiny, store, "run", "--out", str(tmp_path / "resumed.json"), api_url=prefect_api_url)
-    output, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, output
-    results = json.loads((tmp_path / "resumed.json").read_text())
+    results = run_to_results(tiny, store, tmp_path / "resumed.json", api_url=prefect_api_url)
     assert results["stages"]["references"] == "cached" and results["stages"]["features"] == "ran"
     after = zarr_array_markers(store)
     assert all(after[name] == finished[name] for name in complete)  # not recomputed

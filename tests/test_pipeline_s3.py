@@ -2,7 +2,6 @@
 lengths as on a local store, a second machine (another process with a copy of its own) reusing what the first
 one computed, and a SIGKILL during extraction resumed without rewriting a finished array."""
 
-import json
 import subprocess
 import sys
 import time
@@ -11,7 +10,7 @@ import pytest
 
 from dflash_eval.storage import Store
 from dflash_eval.storage.object_storage import ObjectStorage
-from tests.test_pipeline import N_PROMPTS, cli, evaluate
+from tests.test_pipeline import N_PROMPTS, cli, evaluate, run_to_results
 
 pytestmark = pytest.mark.slow
 
@@ -48,10 +47,7 @@ def test_an_evaluation_on_object_storage_equals_the_local_one_and_a_second_machi
     # a second machine: another process, another copy; it scores an earlier checkpoint with the references and
     # the features the first one computed
     monkeypatch.setenv("DFLASH_STORE_CACHE", str(tmp_path / "second-machine"))
-    second = cli(tiny, s3_url, "run", "--out", str(tmp_path / "second.json"), step=-2, api_url=prefect_api_url)
-    output, _ = second.communicate(timeout=300)
-    assert second.returncode == 0, output
-    results = json.loads((tmp_path / "second.json").read_text())
+    results = run_to_results(tiny, s3_url, tmp_path / "second.json", step=-2, api_url=prefect_api_url)
     assert results["stages"] == {"fetch": "ran", "references": "cached", "features": "cached", "drafts": "ran",
                                  "scores": "ran"}
     assert results["keys"]["references"] == on_s3["keys"]["references"]
@@ -86,10 +82,7 @@ def test_a_killed_extraction_on_object_storage_resumes_without_rewriting_finishe
     assert len(complete) == 5
 
     time.sleep(1.1)  # S3 keeps modification times to the second
-    resumed = cli(tiny, s3_url, "run", "--out", str(tmp_path / "resumed.json"), api_url=prefect_api_url)
-    output, _ = resumed.communicate(timeout=300)
-    assert resumed.returncode == 0, output
-    results = json.loads((tmp_path / "resumed.json").read_text())
+    results = run_to_results(tiny, s3_url, tmp_path / "resumed.json", api_url=prefect_api_url)
     assert results["stages"]["references"] == "cached" and results["stages"]["features"] == "ran"
     after = features_objects(s3_url)
     for layer, n in complete:  # not rewritten: the same objects

@@ -24,6 +24,7 @@ from dflash_core.reference.backends import API_KEY_ENV, FINGERPRINT_TEXTS, Backe
 from dflash_core.reference.server import ReferenceServer
 from dflash_core.target import read_target_config
 
+from tests.ports import free_port
 from tests.tiny_models import first_prompts
 
 pytestmark = pytest.mark.slow
@@ -209,12 +210,6 @@ def test_faults_are_retried_and_refusals_are_not(tiny, server):
 
 
 # --- reference servers behind an API key
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_command_line(tiny, store, reference, *options, api_url, env=()):
