@@ -18,7 +18,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_core.decoding import greedy_decode, speculative_decode
-from dflash_core.drafter import DFlashDrafter, DrafterConfig
+from dflash_core.drafter import DFlashDrafter
+from dflash_core.drafter_config import DrafterConfig
 from dflash_core.features import extract_features
 from dflash_core.replay import Reference, replay
 from dflash_core.target import Target

@@ -44,7 +44,8 @@ FEATURE_LAYERS = (1, 16, 31, 46, 61)
 def real_shape_drafter(layers: int = 5, vocab: int = VOCAB, device="cpu", dtype=torch.bfloat16):
     """The published Qwen3.6-27B drafter's shape (sliding layers, then one full) with random weights (std
     0.02 normal, norms 1); fewer layers or a smaller vocabulary for smoke runs (benchmarks/gpu_check.py)."""
-    from dflash_core.drafter import DFlashDrafter, DrafterConfig
+    from dflash_core.drafter import DFlashDrafter
+    from dflash_core.drafter_config import DrafterConfig
 
     config = DrafterConfig.from_dict({
         "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": HIDDEN,

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, save_drafter
+from dflash_core.drafter import DFlashDrafter, save_drafter
+from dflash_core.drafter_config import DrafterConfig
 from dflash_core.replay import Reference, replay
 from dflash_eval.storage import file_sha256
 from dflash_eval.storage.feature_store import FeatureStore

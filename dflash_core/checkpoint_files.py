@@ -165,7 +165,8 @@ def safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
         except ValueError as e:  # not JSON, or not UTF-8
             raise ValueError(f"{path.name} is not a safetensors file (header: {type(e).__name__}: {e})") from None
     if not isinstance(header, dict):
-        raise ValueError(f"{path.name} is not a safetensors file (its header is not a JSON object)")
+        # a file's content, not an argument's type: the callers' ValueError
+        raise ValueError(f"{path.name} is not a safetensors file (its header is not a JSON object)")  # noqa: TRY004
     return header, 8 + header_len
 
 
@@ -233,7 +234,7 @@ class CheckpointFiles:
 def _regular_files(directory: Path) -> dict[str, float]:
     """{name: mtime} of the regular files directly in `directory` (symlinked files too), hidden ones
     included. A symlink's mtime is its own: when it was made, not when its target last changed."""
-    found = {}
+    found: dict[str, float] = {}
     try:
         entries = list(os.scandir(directory))
     except OSError:
@@ -310,10 +311,10 @@ def not_ready(directory: str | os.PathLike, settle_seconds: float, found: Checkp
     if INDEX_FILE in found.files:
         # The file found (the relay's resolved path inside its folder), not the folder's name for it.
         try:
-            shards = set(read_index(found.files[INDEX_FILE]).values())
+            indexed = set(read_index(found.files[INDEX_FILE]).values())
         except (OSError, WeightFilesError) as e:
             raise CheckpointBroken(str(e)) from None
-        missing = sorted(shards - set(found.files))
+        missing = sorted(indexed - set(found.files))
         if missing:
             return f"{INDEX_FILE} names shards that are not there yet: {missing[:4]}"
     for name in found.weight_names:

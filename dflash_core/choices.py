@@ -1,14 +1,18 @@
 """The names a setting of the DFlash code may take, in a module that imports nothing, so that the command line
 builds its choices from them without importing torch (seconds, for every command and every `--help`)."""
 
-# How sliding-window drafter layers attend within the block (dflash_core.drafter).
+# How sliding-window drafter layers treat the block when the drafter's config does not say (no is_causal;
+# dflash_core.drafter). "causal": block position k sees block positions <= k and a window over context + block,
+# as SGLang, vLLM, the SpecForge training mask and z-lab's current reference do (the default). "non_causal": the
+# whole block (within the window) is visible, as z-lab's transformers reference did before it read is_causal.
 SLIDING_SEMANTICS = ("causal", "non_causal")
 
 # The dtypes a target loads in, by the names config files and command lines give them (dflash_core.target.DTYPES).
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
-# What the evaluation's stages compute in. float16 is not one of them: hidden states of large targets overflow in
-# fp16 (DESIGN.md). "auto" is the target checkpoint's own dtype.
+# What the evaluation's stages compute in. float16 is not one of them: the hidden states of large targets overflow
+# its range (largest value 65504), so a float16 checkpoint computes in float32. "auto" is the target checkpoint's
+# own dtype.
 AUTO_DTYPE = "auto"
 STAGE_DTYPE_NAMES = ("float32", "bfloat16")
 

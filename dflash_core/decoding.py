@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
-from .drafter import DFlashDrafter, check_compatible
+from .drafter import DFlashDrafter
+from .drafter_config import check_compatible
 from .target import Target
 
 
@@ -73,7 +74,7 @@ def greedy_decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_id
     cache = target.new_cache()
     next_input = torch.tensor([ids], device=target.device)
     for _ in range(max_new_tokens):
-        logits = target.forward(next_input, cache=cache).logits
+        logits = target.forward(next_input, cache=cache).require_logits()
         token = int(logits[0, -1].argmax())
         ids.append(token)
         if token in stop:
@@ -93,7 +94,7 @@ def speculative_decode(
     tokens are clipped at a stop token and at max_new_tokens, exactly as the replay clips.
     Its output equals greedy_decode's.
     """
-    check_compatible(drafter, target.hidden_size, target.vocab_size, target.num_layers)
+    check_compatible(drafter.cfg, target.hidden_size, target.vocab_size, target.num_layers)
     ids = _check_prompt(target, prompt_ids, max_new_tokens)
     prompt_len, B, layer_ids = len(ids), drafter.block_size, drafter.target_layer_ids
     max_len = prompt_len + max_new_tokens
@@ -108,7 +109,7 @@ def speculative_decode(
     cache = target.new_cache()
     cache.activate_past_recording()  # lets sliding-window and conv states crop back
     out = target.forward(torch.tensor([ids], device=target.device), cache=cache, layer_ids=layer_ids)
-    ids.append(int(out.logits[0, -1].argmax()))
+    ids.append(int(out.require_logits()[0, -1].argmax()))
     context = [[k, v] for k, v in drafter.context_kv(features(out, prompt_len))]
     recurrent = _recurrent_states(cache)
 
@@ -123,7 +124,7 @@ def speculative_decode(
         verify = [ids[start]] + drafts
         snapshot = _snapshot(recurrent)
         out = target.forward(torch.tensor([verify], device=target.device), cache=cache, layer_ids=layer_ids)
-        posterior = out.logits[0].argmax(-1).tolist()  # the target's token after each verified one
+        posterior = out.require_logits()[0].argmax(-1).tolist()  # the target's token after each verified one
         accepted = 0
         while accepted < B - 1 and drafts[accepted] == posterior[accepted]:
             accepted += 1

@@ -7,13 +7,13 @@ neighbouring layers), so each costs one drafter replay, never a target run:
                    (a drafter that uses its context falls to ~1 with all of them gone)
   offset probe     tau with the features of layers id+o instead of id: a drafter trained on the wrong
                    layers (an off-by-one in the training features) peaks at o != 0
-  sliding switch   tau with the other sliding-window semantics (drafter.SLIDING_SEMANTICS)
+  sliding switch   tau with the other sliding-window semantics (choices.SLIDING_SEMANTICS)
   first divergence per prompt, the first step that rejected a draft: where, and the drafted block
                    next to the reference's tokens, as text
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -73,11 +73,12 @@ def first_divergences(
     step index, position in the completion, drafts accepted, and as text: the `context_tokens` tokens
     before the block (ending with the bonus token R[start]; the prompt's tail for an early step), the
     drafted block and the reference's tokens there."""
-    found = []
-    for ref, result in zip(references, results):
+    found: dict[int, tuple[int, int, int]] = {}  # reference -> (step, start, acceptance length) of its first rejection
+    for s, (_, result) in enumerate(zip(references, results)):
         step = next((i for i, r in enumerate(result.rejected_drafts) if r >= 0), None)
-        found.append(None if step is None else (step, result.starts[step], result.acceptance_lengths[step]))
-    wanted = [(s, hit[1]) for s, hit in enumerate(found) if hit is not None]
+        if step is not None:
+            found[s] = (step, result.starts[step], result.acceptance_lengths[step])
+    wanted = [(s, start) for s, (_, start, _) in found.items()]
     if not wanted:
         return [None] * len(references)
     # only the references with a divergence need their context in the scorer

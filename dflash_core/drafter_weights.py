@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .drafter import DFlashDrafter, DrafterConfig, DrafterError, load_drafter
+from .drafter import DFlashDrafter, load_drafter
+from .drafter_config import DrafterConfig, DrafterError, read_drafter_config
 
 MAX_DEPTH = 4  # how deep in nested dicts the weights may sit
 EXPORT_HINT = (
@@ -81,7 +82,8 @@ def find_drafter_weights(payload, names: set[str]) -> tuple[str, dict[str, torch
                 continue
             prefix = key[: len(key) - len(anchor)]
             if all(prefix + n in tensors for n in names):
-                extra = sorted(k[len(prefix):] for k in tensors if k.startswith(prefix) and k[len(prefix):] not in names)
+                extra = sorted(k[len(prefix):] for k in tensors
+                               if k.startswith(prefix) and k[len(prefix):] not in names)
                 label = where + (f"[{prefix}*]" if prefix else "")
                 found.append((label or "<top level>", {n: tensors[prefix + n] for n in names}, extra))
         for k, v in obj.items():
@@ -117,11 +119,12 @@ def export_drafter_weights(payload_path: str | Path, cfg: DrafterConfig, out_fil
     return where
 
 
-def check_drafter_weights(path: str | Path) -> None:
+def check_drafter_weights(path: str | Path, config: DrafterConfig | None = None) -> None:
     """Refuse a drafter checkpoint whose weights are unreadable, missing, of the wrong shape for its
-    config, unexpected, or not finite (DrafterError naming the tensor). Values are checked as stored."""
-    # the mask token shapes no weight: a placeholder id spares resolving a string one without the target
-    drafter = load_drafter(path, dtype=torch.float32, mask_token_id=0)
+    config, unexpected, or not finite (DrafterError naming the tensor). Values are checked as stored.
+    config: the checkpoint's, when the caller has read it already."""
+    # the mask token shapes no weight: without a config, a placeholder id spares resolving a string one
+    drafter = load_drafter(path, dtype=torch.float32, config=config or read_drafter_config(path, mask_token_id=0))
     for name, weight in drafter.named_parameters():
         bad = int((~torch.isfinite(weight)).sum())
         if bad:

@@ -81,7 +81,7 @@ def extract_features(
     for ids in sequences:
         target.check_length(len(ids))
 
-    results: list[torch.Tensor | None] = [None] * len(sequences)
+    results: dict[int, torch.Tensor] = {}  # by index in `sequences`
     done = 0
     for batch in length_sorted_batches([len(s) for s in sequences], batch_size):
         lengths = [len(sequences[i]) for i in batch]
@@ -107,4 +107,4 @@ def extract_features(
         done += len(batch)
         if progress is not None:
             progress(done)
-    return results
+    return [results[i] for i in range(len(sequences))]

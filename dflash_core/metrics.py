@@ -52,7 +52,8 @@ class PromptScore:
 class Steps(Protocol):
     """One prompt's decode steps: a PromptScore, or a replay's ReplayResult."""
 
-    acceptance_lengths: Sequence[int]
+    @property
+    def acceptance_lengths(self) -> Sequence[int]: ...
 
 
 def mean_acceptance(acceptance_lengths: Sequence[int]) -> float:
@@ -151,7 +152,8 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
         "position_acceptance": position_acceptance(scored, block_size),
         "tau_by_category": {c: tau_macro([p for p in scored if p.category == c]) for c in categories},
         "projected_speedup": {str(c): projected_speedup(tau_macro(scored), c) for c in SPEEDUP_COST_RATIOS},
-        "speedup_note": "tau_macro / (1 + c) for a drafter forward costing c target forwards (metrics.projected_speedup)",
+        "speedup_note": ("tau_macro / (1 + c) for a drafter forward costing c target forwards "
+                         "(metrics.projected_speedup)"),
         "histogram": {str(k): n for k, n in enumerate(histogram(scored, block_size), start=1)},
         "n_prompts": len(prompts),
         "n_scored_prompts": len(scored),

@@ -42,6 +42,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROMPT_FIELDS = ("text", "messages", "turns", "input_ids")
 
@@ -296,7 +297,9 @@ def turn_prompt_ids(tokenizer, prompt: Prompt, answers: Sequence[str], thinking:
     out of that range, an answer that is not a string, or a tokenizer without a chat template.
     """
     if isinstance(answers, str):
-        raise ValueError("answers must be a sequence of strings (one per earlier turn), got a single string")
+        # ValueError, as documented for every bad answer: callers catch one kind
+        raise ValueError(  # noqa: TRY004
+            "answers must be a sequence of strings (one per earlier turn), got a single string")
     answers = list(answers)
     k = len(answers) + 1
     if not prompt.turns:
@@ -311,7 +314,8 @@ def turn_prompt_ids(tokenizer, prompt: Prompt, answers: Sequence[str], thinking:
         )
     for i, answer in enumerate(answers):
         if not isinstance(answer, str):
-            raise ValueError(f"answer {i} must be a string (the decoded answer), got {_type_name(answer)}")
+            raise ValueError(  # noqa: TRY004
+                f"answer {i} must be a string (the decoded answer), got {_type_name(answer)}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"prompt {prompt.id!r}: {_NO_CHAT_TEMPLATE}")
     return _chat_template_ids(tokenizer, _conversation(prompt.turns, answers), thinking)
@@ -327,7 +331,7 @@ def prompt_set_identity(prompts: list[Prompt]) -> list[dict]:
     """
     identity = []
     for p in prompts:
-        item = {"id": p.id, "category": p.category, "input_ids": list(p.input_ids)}
+        item: dict[str, Any] = {"id": p.id, "category": p.category, "input_ids": list(p.input_ids)}
         if p.turns:
             item["turns"] = list(p.turns)
         identity.append(item)

@@ -20,13 +20,14 @@ matching, since positions after the first mismatch cannot change the answer (whi
 alive, one pass over the head serves several positions: it costs what one position does).
 """
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .drafter import DFlashDrafter, check_compatible
+from .drafter import DFlashDrafter
+from .drafter_config import check_compatible
 
 # Rows of the lm_head's matmul whose arithmetic costs about what reading the head once does (at the
 # Qwen3.6 shape, bf16 on 2 CPU cores: 83 ms for 1 row, 88 for 8, 109 for 16, 151 for 32; GPUs balance higher).
@@ -84,11 +85,12 @@ class BlockScorer:
         if embed_weight.shape != head_weight.shape:
             raise ValueError(f"embedding {list(embed_weight.shape)} and head {list(head_weight.shape)} shapes differ")
         vocab_size = embed_weight.shape[0]
-        check_compatible(drafter, hidden_size=embed_weight.shape[1], vocab_size=vocab_size)
+        check_compatible(drafter.cfg, hidden_size=embed_weight.shape[1], vocab_size=vocab_size)
         for i, ref in enumerate(references):
             bad = [t for t in ref.token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"reference {i}: token ids {bad[:5]} are outside the target's vocabulary of {vocab_size}")
+                raise ValueError(f"reference {i}: token ids {bad[:5]} are outside the target's vocabulary of "
+                                 f"{vocab_size}")
         self.drafter = drafter
         self.B = drafter.block_size
         device, dtype = drafter.device, drafter.dtype
@@ -218,7 +220,8 @@ def replay(
         while i < len(blocks):
             # as many blocks as the budget allows for the longest context in the batch
             n = 1
-            while i + n < len(blocks) and n < max_blocks and (n + 1) * max(p for _, p in blocks[i:i + n + 1]) <= max_context_tokens:
+            while (i + n < len(blocks) and n < max_blocks
+                   and (n + 1) * max(p for _, p in blocks[i:i + n + 1]) <= max_context_tokens):
                 n += 1
             steps, rejected = scorer.score(blocks[i:i + n])
             out[0].extend(steps)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -34,8 +35,6 @@ from transformers import (
     PretrainedConfig,
     PreTrainedModel,
 )
-
-from huggingface_hub.errors import StrictDataclassError
 from transformers.utils import is_accelerate_available
 
 from .checkpoint_files import has_safetensors
@@ -60,6 +59,12 @@ class TargetOutput:
 
     logits: torch.Tensor | None
     features: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def require_logits(self) -> torch.Tensor:
+        """The logits of a forward that computed them (logits=True, the default)."""
+        if self.logits is None:
+            raise ValueError("this forward ran with logits=False: it has no logits")
+        return self.logits
 
 
 class _StopForward(Exception):
@@ -99,10 +104,28 @@ def _find_head_module(model: nn.Module) -> nn.Module | None:
     return head
 
 
+def _decoder_layers(backbone: nn.Module) -> nn.ModuleList:
+    """The backbone's decoder layers (find_backbone chose it for having them as an nn.ModuleList)."""
+    layers = backbone.get_submodule("layers")
+    assert isinstance(layers, nn.ModuleList), "find_backbone returns modules whose layers are an nn.ModuleList"
+    return layers
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """The weight matrix of an embedding or a head."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{type(module).__name__} has no weight tensor")
+    return weight
+
+
 def _text_config(model: nn.Module, backbone: nn.Module) -> PretrainedConfig:
     if isinstance(backbone, PreTrainedModel):
         return backbone.config
-    return model.config.get_text_config(decoder=True)
+    config = getattr(model, "config", None)
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"{type(model).__name__} has no transformers config to read the text model's settings from")
+    return config.get_text_config(decoder=True)
 
 
 @dataclass(eq=False)
@@ -130,10 +153,12 @@ class Target:
         """
         model.eval().requires_grad_(False)
         _, backbone = find_backbone(model)
-        embed_weight = backbone.embed_tokens.weight
+        embed_weight = _weight(backbone.get_submodule("embed_tokens"))
         head = _find_head_module(model)
+        head_weight: torch.Tensor
+        head_bias: torch.Tensor | None
         if head is not None:
-            head_weight, head_bias = head.weight, getattr(head, "bias", None)
+            head_weight, head_bias = _weight(head), getattr(head, "bias", None)
         else:
             checkpoint_dir = checkpoint_dir or getattr(model, "name_or_path", None)
             if not checkpoint_dir or not Path(checkpoint_dir).is_dir():
@@ -156,7 +181,7 @@ class Target:
             backbone=backbone,
             head_weight=head_weight,
             embed_weight=embed_weight,
-            num_layers=len(backbone.layers),
+            num_layers=len(_decoder_layers(backbone)),
             hidden_size=embed_weight.shape[1],
             vocab_size=embed_weight.shape[0],
             max_positions=getattr(text_config, "max_position_embeddings", None),
@@ -183,7 +208,7 @@ class Target:
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings as the backbone computes them (including any embedding scale). [N, T] -> [N, T, H]"""
-        return self.backbone.embed_tokens(self._check_input_ids(input_ids))
+        return self.backbone.get_submodule("embed_tokens")(self._check_input_ids(input_ids))
 
     @torch.no_grad()
     def apply_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -199,7 +224,8 @@ class Target:
         for i in layer_ids:
             if i < 0 or i >= self.num_layers:
                 raise ValueError(
-                    f"layer id {i} is out of range: the target has {self.num_layers} layers (ids 0..{self.num_layers - 1})"
+                    f"layer id {i} is out of range: the target has {self.num_layers} layers "
+                    f"(ids 0..{self.num_layers - 1})"
                 )
         return layer_ids
 
@@ -219,7 +245,8 @@ class Target:
             if low < 0 or high >= self.vocab_size:
                 bad = low if low < 0 else high
                 raise ValueError(
-                    f"token id {bad} is out of the target's vocabulary of {self.vocab_size} (ids 0..{self.vocab_size - 1})"
+                    f"token id {bad} is out of the target's vocabulary of {self.vocab_size} "
+                    f"(ids 0..{self.vocab_size - 1})"
                 )
         return input_ids.to(device=self.device, dtype=torch.long)
 
@@ -268,7 +295,7 @@ class Target:
             return hook
 
         for layer_id in sorted(wanted | ({stop_after} if stop_after is not None else set())):
-            hooks.append(self.backbone.layers[layer_id].register_forward_hook(make_hook(layer_id)))
+            hooks.append(_decoder_layers(self.backbone)[layer_id].register_forward_hook(make_hook(layer_id)))
         try:
             out = self.backbone(
                 input_ids=input_ids,
@@ -337,7 +364,8 @@ def read_target_config(path) -> TargetConfig:
     """
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); pass the target checkpoint folder")
+        raise ValueError(f"{path} is not a Hugging Face model directory (no config.json); pass the target "
+                         "checkpoint folder")
     if has_safetensors(path):
         find_text_weights(path)
     config = _auto_config(path)
@@ -380,12 +408,14 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Targ
     config = AutoConfig.from_pretrained(path)
     auto_class = next((c for c in AUTO_CLASSES if type(config) in c._model_mapping), None)
     if auto_class is None:
-        raise ValueError(f"transformers has no causal-LM, image-text-to-text or base model class for {type(config).__name__}")
+        raise ValueError("transformers has no causal-LM, image-text-to-text or base model class for "
+                         f"{type(config).__name__}")
     key_mapping = _key_mapping(auto_class, config, weights)
     device = torch.device(device)
     # Loading straight onto an accelerator needs `accelerate`; without it, load to CPU and move.
     direct = device.type != "cpu" and is_accelerate_available()
-    model, info = auto_class.from_pretrained(
+    # output_loading_info=True makes it return (model, info); transformers' annotation names the model only
+    model, info = auto_class.from_pretrained(  # type: ignore[misc]
         path,
         config=config,
         dtype=dtype,
@@ -414,7 +444,8 @@ def _key_mapping(auto_class, config: PretrainedConfig, weights: TextWeights) -> 
     """
     base = auto_class._model_mapping[type(config)].base_model_prefix
     foreign_prefix = weights.prefix != "" and not weights.prefix.startswith(f"{base}.")
-    foreign_head = weights.head_key not in (None, "lm_head.weight")
+    head_key = weights.head_key
+    foreign_head = head_key not in (None, "lm_head.weight")
     if not (foreign_prefix or foreign_head):
         return None
     # The model's own names, from a skeleton on the meta device (no memory, no weights read).
@@ -423,10 +454,10 @@ def _key_mapping(auto_class, config: PretrainedConfig, weights: TextWeights) -> 
     backbone_name, _ = find_backbone(skeleton)
     mapping = {}
     head = _find_head_module(skeleton)
-    if foreign_head and head is not None:
+    if foreign_head and head_key is not None and head is not None:
         head_name = next(name for name, module in skeleton.named_modules() if module is head)
         # first: the prefix rule below would otherwise rename a head kept under the text prefix
-        mapping[f"^{re.escape(weights.head_key)}$"] = f"{head_name}.weight"
+        mapping[f"^{re.escape(head_key)}$"] = f"{head_name}.weight"
     if foreign_prefix and weights.prefix != f"{backbone_name}.":
         mapping[f"^{re.escape(weights.prefix)}"] = f"{backbone_name}."
     return mapping or None

@@ -1,11 +1,13 @@
 """Every check of an evaluation's inputs, made once per evaluation before any stage runs.
 
-An evaluation run by hand (`dflash-eval run`, `stage`, `demo`) is checked by the command line before Prefect
-starts, so bad input costs no server start-up, and the flow run it then starts takes that check instead of
-making it again (`checked_before_run`). A run nobody checked for (a deployment's, an event's, a test's) is
-checked by the flow itself (`inputs_of_run`). Either way the checks run once and raise InputError with one
-message naming the file, line or field: the command line prints it as `error: ...` (exit code 2), a flow run
-fails with it as its state message.
+`check_evaluation` normalises the flow's parameters, checks them and returns one typed record,
+`EvaluationInputs`: the parameters as the flow wires its tasks with them, the resolved dtype and the drafter's
+validated config. An evaluation run by hand (`dflash-eval run`, `stage`, `demo`) is checked by the command line
+before Prefect starts, so bad input costs no server start-up, and the flow run it then starts is given that
+record (flows/evaluate.py: `evaluation_flow`). A run nobody checked for (a deployment's, an event's, a test's) is
+checked by the flow itself. Either way the checks run once and raise InputError with one message naming the
+file, line or field: the command line prints it as `error: ...` (exit code 2), a flow run fails with it as its
+state message.
 
 The checks only read, except the store's write probe, made last, once everything else is known good.
 """
@@ -14,9 +16,6 @@ import inspect
 import os
 import stat
 import tempfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,18 +23,21 @@ import torch
 from transformers import AutoTokenizer
 
 from dflash_core.checkpoint_files import WeightFilesError, has_safetensors, weight_file_problem, weight_files
-from dflash_core.drafter import SLIDING_SEMANTICS, DrafterConfig, DrafterError, check_compatible
+from dflash_core.choices import SLIDING_SEMANTICS
+from dflash_core.drafter_config import DrafterConfig, DrafterError, check_compatible
 from dflash_core.prompts import PromptError
 from dflash_core.reference.backends import BackendError, open_backend
 from dflash_core.target import read_target_config
 from dflash_eval.flows.choices import DEVICES, STAGES
-from dflash_eval.flows.store_paths import store_root
 from dflash_eval.storage import Store
 from dflash_eval.storage.object_storage import ObjectStorageError
 from dflash_eval.storage.relay.client import RelayError
+from dflash_eval.storage.schema import Stage
+from dflash_eval.tasks.cluster import ClusterUnreachable, check_cluster
 from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, read_config
+from dflash_eval.tasks.progress import stage_logger
 from dflash_eval.tasks.references import load_prompts
-from dflash_eval.tasks.target import DTYPE_CHOICES, target_tokenizer
+from dflash_eval.tasks.target import DTYPE_CHOICES, DtypeChoice, resolve_dtype, target_tokenizer
 
 
 class InputError(ValueError):
@@ -44,11 +46,49 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class CheckedInputs:
-    """What the checks read that the flow needs: the drafter's config, how many prompts, the target's depth."""
+    """What `check_inputs` read that the flow needs."""
 
-    drafter: DrafterConfig
+    drafter: DrafterConfig  # the drafter source's config, validated against the target
+    baseline: DrafterConfig | None
     n_prompts: int
     num_target_layers: int
+
+
+@dataclass(frozen=True)
+class EvaluationInputs:
+    """An evaluation's parameters, normalised and checked, with what the checks read: what the flow wires its
+    tasks with (flows/evaluate.py documents each parameter)."""
+
+    target: str
+    drafter: str
+    prompts: str
+    max_new_tokens: int
+    store_location: str  # the store: an absolute folder or s3://BUCKET/PREFIX, as every task reopens it
+    dtype: DtypeChoice  # resolved once: `auto` and the name it resolves to share the store's entries
+    device: str
+    sliding_semantics: str
+    thinking: bool
+    reference: str
+    lookahead: bool
+    concurrency: int
+    relay_token_file: str | None
+    stages: tuple[str, ...]  # `until` and the stages it depends on, in pipeline order
+    refresh: frozenset[str]
+    baseline: str | None
+    report_dir: str | None
+    all_positions: bool
+    reference_api_key_file: str | None
+    drafter_config: str | None
+    include: tuple[str, ...] | None
+    checkpoint_wait: float
+    settle_seconds: float | None
+    replay_group: int
+    dask_address: str | None
+    checked: CheckedInputs
+
+    def runs(self, stage: str) -> bool:
+        """Whether this evaluation runs `stage`."""
+        return stage in self.stages
 
 
 def check_inputs(
@@ -110,6 +150,7 @@ def check_inputs(
         check_compatible(drafter_checkpoint, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
+    baseline_config = None
     if baseline is not None:
         try:
             baseline_config = _read_drafter_source(baseline, tokenizer, **fetch_options)
@@ -134,9 +175,10 @@ def check_inputs(
             backend.check_matches(target_config.vocab_size)
         except (ValueError, BackendError) as e:
             raise InputError(f"reference server: {e}") from None
-    if problem := store_write_problem(store_root(store)):  # last: it creates the store
+    if problem := store_write_problem(Store(store).root.absolute()):  # last: it creates the store
         raise InputError(problem)
-    return CheckedInputs(drafter=drafter_checkpoint, n_prompts=len(prompt_set), num_target_layers=target_config.num_layers)
+    return CheckedInputs(drafter=drafter_checkpoint, baseline=baseline_config, n_prompts=len(prompt_set),
+                         num_target_layers=target_config.num_layers)
 
 
 def _read_drafter_source(drafter: str, tokenizer, drafter_config: str | None = None, **wait_options) -> DrafterConfig:
@@ -216,31 +258,69 @@ def store_write_problem(root: Path) -> str | None:
 
 # The flow parameters check_inputs reads (all of its own but the command line's temperature).
 CHECKED_PARAMETERS = tuple(name for name in inspect.signature(check_inputs).parameters if name != "temperature")
-_checked_by_caller = threading.local()
 
 
-@contextmanager
-def checked_before_run(flow, parameters: dict, temperature: float = 0.0) -> Iterator[CheckedInputs]:
-    """Check the inputs of a run of `flow` (evaluate-checkpoint) with these parameters (its defaults for those
-    not given), then, within the block, hand them to that run when it starts in this thread (`inputs_of_run`),
-    so that it does not check them again. Raises InputError before the block on bad input."""
-    bound = inspect.signature(flow.fn).bind(**parameters)
-    bound.apply_defaults()
-    arguments = {name: bound.arguments[name] for name in CHECKED_PARAMETERS}
-    inputs = check_inputs(**arguments, temperature=temperature)
-    _checked_by_caller.held = (arguments, inputs)
+def check_evaluation(parameters: dict, temperature: float = 0.0) -> EvaluationInputs:
+    """Normalise and check the parameters of an evaluate-checkpoint run (all of them, its defaults filled in):
+    the record the flow wires its tasks with, or InputError naming what is wrong. A Dask scheduler is asked
+    first (a dead one gets one message, nothing computed); `temperature` is the command line's (the flow has
+    none: it is greedy)."""
+    p = dict(parameters)
+    # a deployment's templated parameters arrive as "" when their variable is unset
+    p["reference"] = p["reference"] or "local"
+    for name in ("drafter_config", "reference_api_key_file", "dask_address"):
+        p[name] = p[name] or None
+    replay_group = p["replay_group"]
+    if isinstance(replay_group, bool) or not isinstance(replay_group, int) or replay_group < 1:
+        raise InputError(f"replay_group must be a whole number of at least 1, got {replay_group!r}")
+    check_dask_address(p["dask_address"])
+    checked = check_inputs(**{name: p[name] for name in CHECKED_PARAMETERS}, temperature=temperature)
     try:
-        yield inputs
-    finally:
-        _checked_by_caller.held = None
+        dtype = resolve_dtype(p["dtype"], p["target"])
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    return EvaluationInputs(
+        target=p["target"], drafter=p["drafter"], prompts=p["prompts"], max_new_tokens=p["max_new_tokens"],
+        store_location=Store(p["store"]).location, dtype=dtype, device=p["device"],
+        sliding_semantics=p["sliding_semantics"], thinking=p["thinking"], reference=p["reference"],
+        lookahead=p["lookahead"], concurrency=p["concurrency"], relay_token_file=p["relay_token_file"],
+        stages=stages_to_run(p["until"]), refresh=frozenset(p["refresh"] or ()), baseline=p["baseline"],
+        report_dir=p["report_dir"], all_positions=p["all_positions"],
+        reference_api_key_file=p["reference_api_key_file"], drafter_config=p["drafter_config"],
+        include=tuple(p["include"]) if p["include"] else None, checkpoint_wait=p["checkpoint_wait"],
+        settle_seconds=p["settle_seconds"], replay_group=replay_group, dask_address=p["dask_address"],
+        checked=checked)
 
 
-def inputs_of_run(parameters: dict) -> CheckedInputs:
-    """The checked inputs of the flow run with these parameters (all of them, as the flow normalised them):
-    those its caller checked for exactly these (`checked_before_run`; one run takes them), else checked now."""
-    arguments = {name: parameters[name] for name in CHECKED_PARAMETERS}
-    held = getattr(_checked_by_caller, "held", None)
-    _checked_by_caller.held = None
-    if held is not None and held[0] == arguments:
-        return held[1]
-    return check_inputs(**arguments)
+def check_dask_address(address: str | None) -> int | None:
+    """Ask the Dask scheduler at `address` (None: no cluster) who it is, before any work: its workers now,
+    or InputError naming the address and what to do when none answers (tasks/cluster.py: check_cluster)."""
+    if not address:
+        return None
+    try:
+        workers = check_cluster(address)
+    except ClusterUnreachable as e:
+        raise InputError(str(e)) from None
+    if workers == 0:  # not an error: workers may join later, and the shards wait for them
+        stage_logger().warning(f"--dask {address}: the scheduler has no workers yet; the features and drafts "
+                               "stages wait for one to join")
+    return workers
+
+
+# What each stage needs done first (a stage run by hand runs these too; they are usually cached).
+DEPENDS_ON = {
+    Stage.FETCH: (), Stage.REFERENCES: (), Stage.FEATURES: (Stage.REFERENCES,),
+    Stage.DRAFTS: (Stage.FETCH, Stage.FEATURES), Stage.SCORES: (Stage.DRAFTS, Stage.REFERENCES),
+    Stage.DIAGNOSTICS: (Stage.SCORES,),
+}
+
+
+def stages_to_run(until: str) -> tuple[str, ...]:
+    """`until` and every stage it depends on, in pipeline order."""
+    needed, todo = set(), [until]
+    while todo:
+        stage = todo.pop()
+        if stage not in needed:
+            needed.add(stage)
+            todo.extend(DEPENDS_ON[stage])
+    return tuple(s for s in STAGES if s in needed)

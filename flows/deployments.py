@@ -7,7 +7,7 @@
   rerun-<stage>         by hand, for one checkpoint: recompute that stage, then score it (what it needs
                         comes from the store), e.g. `prefect deployment run evaluate-checkpoint/rerun-drafts -p drafter=...`
 
-prefect.yaml declares the same deployments for the work-pool route (several machines, README).
+prefect.yaml declares the same deployments for the work-pool route (several machines, docs/relay.md).
 """
 
 import asyncio

@@ -10,7 +10,7 @@ Layout inside a features entry (`<entry>/features.zarr`)::
           zarr.json                 array [T_n, H]; attributes hold the completion marker
           c/<r>/0                   chunks of rows, uncompressed
 
-Why this shape (measured in notes/zarr.md): one array per sequence was the fastest
+Why this shape (measured: docs/design.md, "Feature storage"): one array per sequence was the fastest
 layout and the only one safe with several writers, since each writer touches
 only its own keys. One array per layer (not per sequence holding all layers)
 lets a checkpoint that needs other layer ids extract only the layers not yet
@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
+import zarr.abc.store
 import zarr.errors
 import zarr.storage
 
@@ -56,7 +57,7 @@ from .object_storage import ObjectStorage, store_url
 
 FEATURES_DIRNAME = "features.zarr"
 MARKER_FORMAT = 1
-# Big chunks read fastest (notes/zarr.md: one chunk per sequence and layer); the cap only keeps
+# Big chunks read fastest (docs/design.md: one chunk per sequence and layer); the cap only keeps
 # a single chunk of a very long sequence of a very wide model (32k x 8192 bf16 = 512 MiB) bounded.
 DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 
@@ -64,7 +65,7 @@ DEFAULT_MAX_CHUNK_BYTES = 64 << 20
 _PLAIN_CODECS = [{"name": "bytes", "configuration": {"endian": "little"}}]
 _DEFAULT_CHUNK_KEYS = {"name": "default", "configuration": {"separator": "/"}}
 
-_STORED_DTYPE = {"bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32)}
+_STORED_DTYPE: dict[str, np.dtype[Any]] = {"bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32)}
 
 
 class FeatureMissing(LookupError):
@@ -118,8 +119,8 @@ def _from_stored(stored: np.ndarray, tag: str) -> torch.Tensor:
 
 
 def _sha256_of(stored: np.ndarray) -> str:
-    # memoryview of the C-contiguous array: hashes the stored little-endian bytes without a copy.
-    return hashlib.sha256(memoryview(stored).cast("B")).hexdigest()
+    # the C-contiguous array's own buffer (`.data`, a memoryview): hashes the stored little-endian bytes without a copy
+    return hashlib.sha256(stored.data.cast("B")).hexdigest()
 
 
 def _chunk_rows(n_rows: int, row_bytes: int, max_chunk_bytes: int) -> int:
@@ -138,7 +139,7 @@ class _LocalFiles:
     def __init__(self, path: Path):
         self.path = path
 
-    def read(self, key: str) -> tuple[bytes, tuple]:
+    def read(self, key: str) -> tuple[bytes, tuple[int, int]]:
         # (content, identity): inode and mtime change whenever the file is replaced
         with open(self.path / key, "rb") as f:
             stat = os.fstat(f.fileno())
@@ -204,7 +205,7 @@ class FeatureStore:
 
     Several processes (or machines) may write different sequences (or layers) at once; two
     writers of the same (layer, sequence) are not supported (zarr chunk and
-    metadata writes of one key race, notes/zarr.md).
+    metadata writes of one key race: docs/design.md, "Feature storage").
     """
 
     def __init__(self, location: str | os.PathLike | ObjectStorage, *, max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES):
@@ -212,6 +213,9 @@ class FeatureStore:
         if max_chunk_bytes < 1:
             raise ValueError(f"max_chunk_bytes must be positive, got {max_chunk_bytes}")
         self.max_chunk_bytes = max_chunk_bytes
+        self.path: Path | None  # the group's folder (None on object storage)
+        self._files: _LocalFiles | _ObjectFiles
+        self._zarr_store: zarr.abc.store.Store
         if isinstance(location, str) and store_url(location):
             location = ObjectStorage(location)
         if isinstance(location, ObjectStorage):
@@ -219,7 +223,7 @@ class FeatureStore:
             self._files = _ObjectFiles(location)
             self._zarr_store = location.zarr_store()
         else:
-            self.path = Path(location)  # the group's folder (None on object storage)
+            self.path = Path(location)
             self.location = str(self.path)
             self._files = _LocalFiles(self.path)
             self._zarr_store = zarr.storage.LocalStore(self.path)
@@ -251,7 +255,7 @@ class FeatureStore:
             shape=stored.shape,
             chunks=(_chunk_rows(n_rows, width * stored.itemsize, self.max_chunk_bytes), width),
             dtype=stored.dtype,
-            compressors=None,  # ~1.4x at best on bf16 states: not worth it on local disks (notes/zarr.md)
+            compressors=None,  # ~1.4x at best on bf16 states: not worth it on local disks (docs/design.md)
             fill_value=0,
             overwrite=True,
             attributes={"complete": False, "dtype": tag},
@@ -260,7 +264,7 @@ class FeatureStore:
             config={"write_empty_chunks": True},
         )
         array[...] = stored
-        marker = {"complete": True, "format": MARKER_FORMAT, "dtype": tag, "shape": list(stored.shape)}
+        marker: dict[str, Any] = {"complete": True, "format": MARKER_FORMAT, "dtype": tag, "shape": list(stored.shape)}
         array.update_attributes({**marker, "sha256": _sha256_of(stored)})
 
     def write_layers(self, layer_ids: Sequence[int], seq_index: int, hidden: torch.Tensor | np.ndarray) -> None:
@@ -301,7 +305,7 @@ class FeatureStore:
 
     # ------------------------------------------------------------ reading
 
-    def _read_marker(self, layer_id: int, seq_index: int) -> tuple[dict[str, Any], dict[str, Any], tuple]:
+    def _read_marker(self, layer_id: int, seq_index: int) -> tuple[dict[str, Any], dict[str, Any], tuple[int, int] | str]:
         """(array metadata, marker, identity of its zarr.json); FeatureMissing unless complete.
 
         Reads the array's zarr.json directly (a tenth of the time zarr.open_array takes): `missing`
@@ -350,10 +354,10 @@ class FeatureStore:
             and metadata.get("chunk_key_encoding") == _DEFAULT_CHUNK_KEYS
             and chunk_width == shape[1]
         ):
-            return zarr.open_array(self._zarr_store, path=path, mode="r")[...]
+            return np.asarray(zarr.open_array(self._zarr_store, path=path, mode="r")[...])
         out = np.empty(shape, dtype=dtype)
         for i, first in enumerate(range(0, shape[0], chunk_rows)):
-            rows = memoryview(out[first : first + chunk_rows]).cast("B")
+            rows = out[first : first + chunk_rows].data.cast("B")
             try:
                 n_read = self._files.read_into(f"{path}/c/{i}/0", rows)
             except (FileNotFoundError, NotADirectoryError):

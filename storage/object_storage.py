@@ -31,11 +31,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import obstore
 from obstore.store import S3Store
 
 from .records import PARTIAL_SUFFIX
+
+if TYPE_CHECKING:  # obstore's TypedDicts exist in its stubs only
+    import zarr.storage
+    from obstore import ObjectMeta, PutMode
 
 SCHEMES = ("s3",)
 LEASE_SECONDS = 60.0  # how long a lock outlives its holder's last renewal
@@ -133,7 +138,7 @@ class ObjectStorage:
         """The same bucket under `<prefix>/<relative>`."""
         return ObjectStorage(f"{self.url}/{relative.strip('/')}", lease_seconds=self.lease_seconds)
 
-    def zarr_store(self):
+    def zarr_store(self) -> "zarr.storage.ObjectStore[S3Store]":
         """A zarr store over this prefix (zarr.storage.ObjectStore)."""
         import zarr.storage
 
@@ -145,9 +150,9 @@ class ObjectStorage:
         """(content, e_tag) of object `key`; FileNotFoundError when there is none."""
         with self._errors(key):
             result = obstore.get(self._store, key)
-            return bytes(result.bytes()), result.meta["e_tag"]
+            return bytes(result.bytes()), self._e_tag(key, result.meta["e_tag"])
 
-    def head(self, key: str) -> dict | None:
+    def head(self, key: str) -> "ObjectMeta | None":
         """{"size", "e_tag", ...} of object `key`, None when there is none."""
         try:
             with self._errors(key):
@@ -159,10 +164,10 @@ class ObjectStorage:
         """Write object `key` whole (one PUT: readers see the old object or the new one); returns its e_tag.
         create: only if there is none (FileExistsError otherwise); if_match: only if it still has that e_tag
         (FileExistsError otherwise)."""
-        mode = "create" if create else {"e_tag": if_match} if if_match else "overwrite"
+        mode: PutMode = "create" if create else {"e_tag": if_match} if if_match else "overwrite"
         try:
             with self._errors(key):
-                return obstore.put(self._store, key, data, mode=mode)["e_tag"]
+                return self._e_tag(key, obstore.put(self._store, key, data, mode=mode)["e_tag"])
         except (obstore.exceptions.AlreadyExistsError, obstore.exceptions.PreconditionError) as e:
             raise FileExistsError(f"{self.url}/{key}: {_first_line(e)}") from None
 
@@ -193,7 +198,7 @@ class ObjectStorage:
             raise
         return size, digest.hexdigest()
 
-    def objects(self, prefix: str = "") -> list[dict]:
+    def objects(self, prefix: str = "") -> "list[ObjectMeta]":
         """Every object under `prefix` (recursively), which matches whole path segments ("a/b" lists "a/b/c",
         never "a/bc"): [{"path" (relative to this storage's prefix), "size", "e_tag", ...}]."""
         with self._errors(prefix or "/"):
@@ -286,6 +291,13 @@ class ObjectStorage:
             self.delete([key])
 
     # ------------------------------------------------------------ errors
+
+    def _e_tag(self, key: str, e_tag: str | None) -> str:
+        # S3 answers every read and write with an ETag; the store's locks and markers rely on it
+        if e_tag is None:
+            raise ObjectStorageError(f"object storage {self.url} gave no ETag for {key}: the store needs a server "
+                                     "that does (conditional writes compare them)")
+        return e_tag
 
     @contextmanager
     def _errors(self, key: str) -> Iterator[None]:

@@ -9,9 +9,9 @@ dict did, which readers treat as an entry not in this format.
 """
 
 from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 
 class Stage(StrEnum):
@@ -43,6 +43,8 @@ def _written_when_set() -> Any:
 
 class _Record:
     """to_record / from_record for the dataclasses below (JSON arrays are tuples on the Python side)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]  # what @dataclass gives each record: fields() reads it
 
     def to_record(self) -> dict[str, Any]:
         """The JSON object committed as the entry's record."""

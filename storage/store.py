@@ -33,47 +33,60 @@ digests were recorded (no `files`) are read as before, their top-level JSON file
 Keys are sha256 hex digests (see `hashing.key_of`); stage names are lowercase
 identifiers. Both are validated, so no argument can escape the root.
 
-On object storage (`Store("s3://bucket/prefix")`, storage.object_storage) the same layout lives under the
-prefix, and the bucket is the truth: `entry.json` is one PUT, written last, after every file of the entry
-is uploaded; locks are lease objects created with `If-None-Match: *` (never flock on a network path), and
-a crashed holder's lease expires. Each machine keeps its own copy of the entries it reads and writes (and
-its digest cache) in a local folder, `Store.root` (`$DFLASH_STORE_CACHE/<bucket>-<id>/<prefix>`, default
-`~/.cache/dflash-eval/stores/...`): stages write an entry's files there, `commit` uploads them, and a read
-downloads what this machine lacks, hashing it as it streams. That copy is only a cache: a file in it that
-no longer matches the entry's digests is downloaded again. Feature arrays are not copied: they are read
-and written in the bucket directly (`Store.feature_store`), so the shards of a stage on several machines
-write their arrays straight into one entry.
+On object storage (`Store("s3://bucket/prefix")`) the same layout lives under the prefix, and the bucket
+is the truth: `entry.json` is one PUT, written last, after every file of the entry is uploaded, and locks
+are lease objects that expire when their holder stops renewing them. Each machine keeps its own copy of the
+entries it reads and writes (and its digest cache) in a local folder, `Store.root`: stages write an entry's
+files there, `commit` uploads them, and a read downloads what this machine lacks, hashing it as it streams;
+a file in it that no longer matches the entry's digests is downloaded again. Feature arrays are not copied:
+they are read and written in the bucket directly (`Store.feature_store`), so the shards of a stage on
+several machines write their arrays straight into one entry (storage.object_storage_backend).
+
+The Store is written once for both kinds of store: what differs between them (markers, listing, locks,
+moving files) is its backend's (storage.backend). What `entry.json` holds is storage.marker's.
 """
 
-import errno
-import fcntl
-import hashlib
 import json
 import os
 import re
 import shutil
-import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime, timezone
+from contextlib import AbstractContextManager
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from .hashing import DigestCache, file_sha256, key_of
-from .object_storage import LEASE_SECONDS, LockBusy, ObjectStorage, local_path, store_url
-from .records import PARTIAL_SUFFIX, write_json_atomic
+from .backend import Backend, Identity, LockTimeout
+from .hashing import DigestCache, file_sha256
+from .local_backend import LocalBackend, entry_folders
+from .marker import MARKER_NAME, Entry, FileDigests, MarkerDamaged, parse, seal
+from .object_storage import LEASE_SECONDS, Lease, ObjectStorage, local_path, store_url
+from .object_storage_backend import ObjectStorageBackend
+from .outcomes import (
+    ABSENT,
+    DAMAGED,
+    LACKING,
+    REFRESH,
+    STALE,
+    CorruptEntryWarning,
+    Damage,
+    EntryMissing,
+    Miss,
+    Outcome,
+)
+from .records import PARTIAL_SUFFIX
+
+if TYPE_CHECKING:
+    from .feature_store import FeatureStore
+
+__all__ = ["ABSENT", "DAMAGED", "LACKING", "REFRESH", "STALE", "CorruptEntryWarning", "Damage", "Entry",
+           "EntryMissing", "LockTimeout", "Miss", "Outcome", "Store", "changed_upstream", "default_root"]
 
 STORE_ENV = "DFLASH_STORE"
-CACHE_ENV = "DFLASH_STORE_CACHE"
-LEASE_ENV = "DFLASH_LOCK_LEASE_SECONDS"  # object-storage locks: how long one outlives a holder that stopped  # where this machine keeps its copy of an object store's entries
-DEFAULT_CACHE = Path("~/.cache/dflash-eval/stores")
-TRANSFERS = 16  # uploads and downloads of one entry's files in flight at once (object storage)
+LEASE_ENV = "DFLASH_LOCK_LEASE_SECONDS"  # object-storage locks: how long one outlives a holder that stopped
 DEFAULT_ROOT = ".dflash-store"
-MARKER_NAME = "entry.json"
-MARKER_FORMAT = 1
 # Files up to this size are hashed on every read (all records: scores.json, drafts.json, seq_*.json are
 # KBs to MBs, hashed at ~1 GB/s); larger ones (checkpoint weights) are checked by size, and hashed in
 # full by read_entry(full=True) (the drafts stage, before it loads the weights) and `dflash-eval verify`.
@@ -81,100 +94,13 @@ VERIFY_ON_READ_BYTES = 16 << 20
 
 _STAGE_RE = re.compile(r"[a-z][a-z0-9_-]*")
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
-
-
-class EntryMissing(LookupError):
-    """A store entry is absent or incomplete (no valid `entry.json`): the stage must run. `damaged`: it
-    was committed, but found damaged and removed (`reason` names what was wrong)."""
-
-    def __init__(self, stage: str, key: str, reason: str, *, damaged: bool = False):
-        super().__init__(f"{stage}/{key}: {reason}")
-        self.stage = stage
-        self.key = key
-        self.reason = reason
-        self.damaged = damaged
-
-
-class CorruptEntryWarning(UserWarning):
-    """A damaged entry (an unreadable `entry.json`, or files that no longer match their digests): its
-    marker and damaged files were removed and the entry counts as a miss."""
-
-
-@dataclass(frozen=True)
-class Damage:
-    """One thing wrong with an entry: `path` relative to the entry (`entry.json` for the marker)."""
-
-    path: str
-    reason: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.reason}"
-
-
-@dataclass(frozen=True)
-class Entry:
-    """A committed entry, as its `entry.json` describes it."""
-
-    stage: str
-    key: str
-    record: dict[str, Any]
-    files: dict[str, dict[str, Any]] | None  # None: committed before digests were recorded
-    content: str | None  # digest of `files`; None as for files
-    upstream: dict[str, str] | None  # content digests of what it was built from; None: not recorded
-    committed_at: str | None
-
-
-class LockTimeout(TimeoutError):
-    """`Store.lock` waited longer than its timeout."""
-
-
-# Why `Store.get_or_compute` computed an entry (`Miss.kind`).
-ABSENT = "absent"  # no entry, or an incomplete one (a killed writer's files: resumed)
-DAMAGED = "damaged"  # committed, but damaged: its marker and damaged files were removed (resumed)
-STALE = "stale"  # built on upstream content that has changed since: removed whole, recomputed
-REFRESH = "refresh"  # the caller asked for it: removed whole, recomputed
-LACKING = "lacking"  # fresh, but without everything asked (`holds`): extended in place
-
-
-@dataclass(frozen=True)
-class Miss:
-    """Why `Store.get_or_compute` computed an entry, named for people in `reason`."""
-
-    kind: str  # ABSENT, DAMAGED, STALE, REFRESH or LACKING
-    reason: str
-    entry: Entry | None = None  # the committed entry found: replaced (STALE, REFRESH) or extended (LACKING)
-    stale: tuple[str, ...] = ()  # STALE: the upstream labels whose content has changed
-
-    def __str__(self) -> str:
-        return self.reason
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What `Store.get_or_compute` gives: the entry's record and content digest, and why it was computed
-    (`miss`; None when it was read from the store)."""
-
-    record: dict[str, Any]
-    content: str | None
-    miss: Miss | None = None
-
-    @property
-    def computed(self) -> bool:
-        """Whether this call computed the entry (rather than reading it)."""
-        return self.miss is not None
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
 
 def default_root() -> Path:
     """The store root: `$DFLASH_STORE` if set, else `./.dflash-store`."""
     return Path(os.environ.get(STORE_ENV) or DEFAULT_ROOT)
-
-
-def store_cache(remote: ObjectStorage) -> Path:
-    """This machine's folder for its copy of object store `remote` (module docstring). The folder name
-    includes a digest of the endpoint and URL: two servers with a bucket of the same name never share it."""
-    base = Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
-    identity = hashlib.sha256(f"{remote.endpoint or 'aws'}|{remote.url}".encode()).hexdigest()[:10]
-    return base / f"{remote.bucket}-{identity}" / remote.prefix
 
 
 def _check_stage(stage: str) -> None:
@@ -193,21 +119,25 @@ class Store:
     both kinds in the module docstring).
 
     root: a folder, `s3://bucket/prefix`, or None for `$DFLASH_STORE` (else `./.dflash-store`). cache:
-    this machine's folder for an object store's entries (default `store_cache`); lease_seconds: how long an
-    object-storage lock outlives a holder that stopped renewing it (default `$DFLASH_LOCK_LEASE_SECONDS`,
-    else 60)."""
+    this machine's folder for an object store's entries (default `object_storage_backend.store_cache`);
+    lease_seconds: how long an object-storage lock outlives a holder that stopped renewing it (default
+    `$DFLASH_LOCK_LEASE_SECONDS`, else 60)."""
 
-    def __init__(self, root: str | os.PathLike | None = None, *, cache: str | os.PathLike | None = None,
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, cache: str | os.PathLike[str] | None = None,
                  lease_seconds: float | None = None):
         location = str(root) if root is not None else os.environ.get(STORE_ENV) or DEFAULT_ROOT
         if lease_seconds is None:
             lease_seconds = float(os.environ.get(LEASE_ENV) or LEASE_SECONDS)
-        # remote: the truth when the store is on object storage; root is then this machine's copy
-        self.remote = ObjectStorage(location, lease_seconds=lease_seconds) if store_url(location) else None
-        if self.remote is None:
-            self.root = local_path(location)
+        # remote: the truth when the store is on object storage (None for a local folder)
+        self.remote: ObjectStorage | None
+        self._backend: Backend
+        if store_url(location):
+            self.remote = ObjectStorage(location, lease_seconds=lease_seconds)
+            self._backend = ObjectStorageBackend(self.remote, Path(cache) if cache is not None else None)
         else:
-            self.root = Path(cache) if cache is not None else store_cache(self.remote)
+            self.remote = None
+            self._backend = LocalBackend(local_path(location))
+        self.root = self._backend.root  # the entries' files on this machine: the store, or this machine's copy
 
     def __repr__(self) -> str:
         return f"Store({self.location!r})"
@@ -215,29 +145,21 @@ class Store:
     # ------------------------------------------------------------ paths
 
     def entry(self, stage: str, key: str) -> Path:
-        """The directory of entry (stage, key); it may not exist."""
-        _check_stage_key(stage, key)
-        return self.root / stage / key[:2] / key
+        """The directory of entry (stage, key) on this machine; it may not exist."""
+        return self.root / _entry_name(stage, key)
 
     @property
     def location(self) -> str:
-        """What `Store(location)` opens again on any machine (a task's `store_root`): the object store's URL,
+        """What `Store(location)` opens again on any machine (a task's `store_location`): the object store's URL,
         or the absolute folder."""
-        return self.remote.url if self.remote is not None else str(self.root.resolve())
+        return self._backend.location
 
-    def feature_store(self, key: str):
+    def feature_store(self, key: str) -> "FeatureStore":
         """The feature arrays of features entry `key` (storage.feature_store): in the entry's folder, or
         on object storage itself (never copied to this machine)."""
         from .feature_store import FEATURES_DIRNAME, FeatureStore
 
-        if self.remote is not None:
-            return FeatureStore(self.remote.child(f"{self._entry_key('features', key)}/{FEATURES_DIRNAME}"))
-        return FeatureStore.in_entry(self.entry("features", key))
-
-    def _entry_key(self, stage: str, key: str) -> str:
-        # the entry's prefix on object storage
-        _check_stage_key(stage, key)
-        return f"{stage}/{key[:2]}/{key}"
+        return FeatureStore(self._backend.in_place(_entry_name("features", key), FEATURES_DIRNAME))
 
     def local_entry(self, stage: str, key: str, *, full: bool = False) -> Path:
         """The folder on this machine holding every file of committed entry (stage, key) (from object
@@ -246,12 +168,20 @@ class Store:
         self._read_entry(stage, key, verify=True, full=full, every_file=True)
         return self.entry(stage, key)
 
-    def _marker(self, stage: str, key: str) -> Path:
-        return self.entry(stage, key) / MARKER_NAME
-
     def digest_cache(self) -> DigestCache:
         """The store's file-digest cache (`<root>/file-digests.json`)."""
         return DigestCache(self.root / "file-digests.json")
+
+    def newest_incomplete_entry(self) -> tuple[str, str, Path] | None:
+        """(stage, key, this machine's folder) of the most recently created entry without its marker (what a run
+        that stopped, say on a full disk, was writing); None when there is none or the store cannot be read."""
+        try:
+            complete = {(stage, key) for stage, key, done in self._folders() if done}
+            here = [(stage, key, self.entry(stage, key)) for stage, fan_out, key, _ in entry_folders(self.root)
+                    if _is_entry(stage, fan_out, key) and (stage, key) not in complete]
+            return max(here, key=lambda entry: entry[2].stat().st_mtime, default=None)
+        except OSError:
+            return None
 
     # ------------------------------------------------------------ reading
 
@@ -268,7 +198,7 @@ class Store:
 
     def _read_entry(self, stage: str, key: str, *, verify: bool, full: bool, every_file: bool = False) -> Entry:
         entry, damage, identity = self._inspect(stage, key, verify=verify or full, full=full, every_file=every_file)
-        if not damage:
+        if entry is not None and not damage:
             return entry
         reasons = "; ".join(str(d) for d in damage)
         warnings.warn(f"{stage}/{key} is corrupt ({reasons}): removed, it counts as a miss and will be recomputed",
@@ -293,14 +223,7 @@ class Store:
     def discard(self, stage: str, key: str, damage: Sequence[Damage]) -> None:
         """Remove the marker of (stage, key) and the damaged files `check` found, so the next run
         recomputes them (a stage that resumes, as references do per prompt, recomputes only those)."""
-        if self.remote is not None:
-            meta = self.remote.head(f"{self._entry_key(stage, key)}/{MARKER_NAME}")
-            identity = meta and meta["e_tag"]
-        else:
-            try:
-                identity = os.stat(self._marker(stage, key)).st_ino
-            except FileNotFoundError:
-                identity = None
+        identity = self._backend.marker_identity(_entry_name(stage, key))
         if identity is not None:
             self._discard(stage, key, damage, identity)
 
@@ -314,11 +237,13 @@ class Store:
         readable time (written by hand); raises `EntryMissing` as `read_record` does. A recomputed entry
         (refresh) has the time of its last commit."""
         committed = self.read_entry(stage, key, verify=False).committed_at
+        if not isinstance(committed, str):
+            return None
         try:
             when = datetime.fromisoformat(committed)
-        except (TypeError, ValueError):
+        except ValueError:
             return None
-        return when if when.tzinfo else when.replace(tzinfo=timezone.utc)  # comparable with every other time
+        return when if when.tzinfo else when.replace(tzinfo=UTC)  # comparable with every other time
 
     def is_complete(self, stage: str, key: str) -> bool:
         """Whether (stage, key) is committed and undamaged (a damaged one is removed, with a warning)."""
@@ -329,84 +254,58 @@ class Store:
         return True
 
     def _inspect(self, stage: str, key: str, verify: bool, full: bool,
-                 every_file: bool = False) -> tuple[Entry | None, list[Damage], int | str]:
-        # (entry, damage, identity of the marker read: inode, or e_tag on object storage): the identity lets
-        # a remover leave a newer marker alone. every_file: an object store's files all copied here.
-        marker = self._marker(stage, key)
+                 every_file: bool = False) -> tuple[Entry | None, list[Damage], Identity]:
+        # (entry, damage, identity of the marker read): the identity lets a remover leave a newer marker
+        # alone. every_file: an object store's files all copied here.
+        name = _entry_name(stage, key)
         try:
-            if self.remote is not None:
-                raw, identity = self.remote.get(f"{self._entry_key(stage, key)}/{MARKER_NAME}")
-            else:
-                with open(marker, "rb") as f:
-                    identity = os.fstat(f.fileno()).st_ino
-                    raw = f.read()
+            raw, identity = self._backend.read_marker(name)
         except FileNotFoundError:
-            reason = "incomplete (no entry.json)" if self._has_files(stage, key) else "absent"
+            reason = "incomplete (no entry.json)" if self._backend.has_files(name) else "absent"
             raise EntryMissing(stage, key, reason) from None
-        problem, entry = _parse_marker(raw, stage, key)
-        if problem is not None:
-            return None, [Damage(MARKER_NAME, problem)], identity
-        if not verify:
-            damage = []
-        elif self.remote is not None:
-            damage = self._copy_here(stage, key, entry.files, full, every_file)
-        else:
-            damage = _file_damage(marker.parent, entry.files, full)
+        try:
+            entry = parse(raw, stage, key)
+        except MarkerDamaged as e:
+            return None, [Damage(MARKER_NAME, str(e))], identity
+        damage = self._file_damage(stage, key, entry.files, full, every_file) if verify else []
         return entry, damage, identity
 
-    def _has_files(self, stage: str, key: str) -> bool:
-        # whether an entry without a marker has files (incomplete: a killed writer's, here or, on object
-        # storage, anywhere) or is absent
-        if self.entry(stage, key).is_dir():
-            return True
-        return self.remote is not None and bool(self.remote.objects(self._entry_key(stage, key) + "/"))
-
-    def _copy_here(self, stage: str, key: str, files: dict[str, dict[str, Any]] | None, full: bool,
-                   every_file: bool) -> list[Damage]:
-        """Damage of an object-store entry's files, each checked as `_file_damage` checks a local one: the
-        copy on this machine if it holds the file (hashed when small or `full`), else the object, downloaded
-        here and hashed while it streams. A large file this machine lacks is only sized on the server,
-        unless every_file (the caller opens the files)."""
+    def _file_damage(self, stage: str, key: str, files: FileDigests | None, full: bool,
+                     every_file: bool) -> list[Damage]:
+        """What no longer matches the digests recorded at commit. Each file is checked in this machine's
+        folder (`_local_damage`); one that is not right there is fetched from where the store keeps it, if
+        elsewhere (object storage: downloaded here and hashed while it streams; a large file is only sized on
+        the server, unless `full` or `every_file`: the caller opens the files). For an entry committed
+        before digests were recorded: its top-level JSON files that do not parse."""
+        directory, name = self.entry(stage, key), _entry_name(stage, key)
         if files is None:
-            files = {}  # committed before digests were recorded: never written to object storage
-        directory, prefix = self.entry(stage, key), self._entry_key(stage, key)
+            return _unparsable_json(directory)
 
-        def check(item) -> Damage | None:
-            name, recorded = item
-            if _local_damage(directory, name, recorded, full) is None:  # this machine's copy is good
+        def check(item: tuple[str, dict[str, Any]]) -> Damage | None:
+            path, recorded = item
+            damage = _local_damage(directory, path, recorded, full)
+            if damage is None:
                 return None
-            if not (recorded["size"] <= VERIFY_ON_READ_BYTES or full or every_file):
-                meta = self.remote.head(f"{prefix}/{name}")
-                return _mismatch(name, recorded, meta and meta["size"])
-            try:
-                size, sha256 = self.remote.download(f"{prefix}/{name}", directory / name)
-            except FileNotFoundError:
-                size = sha256 = None
-            return _mismatch(name, recorded, size, sha256)
+            hashed = full or every_file or recorded["size"] <= VERIFY_ON_READ_BYTES
+            fetched = self._backend.fetch(name, path, download=hashed)
+            return damage if fetched is None else _mismatch(path, recorded, *fetched)
 
-        with ThreadPoolExecutor(TRANSFERS) as pool:
-            return [d for d in pool.map(check, sorted(files.items())) if d is not None]
+        found = _map(check, sorted(files.items()), self._backend.concurrent_files)
+        return [d for d in found if d is not None]
 
-    def _discard(self, stage: str, key: str, damage: Sequence[Damage], identity: int) -> None:
+    def _discard(self, stage: str, key: str, damage: Sequence[Damage], identity: Identity) -> None:
         # Marker first (nothing reads as complete), then the damaged files. Only if the marker is still
         # the one that was checked: a writer that began since removed it (begin) and its new files are
         # not damaged. The remaining window is tiny and costs at most a recomputation.
-        directory = self.entry(stage, key)
-        if self.remote is not None:
-            prefix = self._entry_key(stage, key)
-            meta = self.remote.head(f"{prefix}/{MARKER_NAME}")
-            if meta is None or meta["e_tag"] != identity:
-                return
-            self.remote.delete([f"{prefix}/{MARKER_NAME}"])
-            self.remote.delete([f"{prefix}/{d.path}" for d in damage if d.path != MARKER_NAME])
-        elif not _unlink_if_same_file(directory / MARKER_NAME, identity):
+        paths = [d.path for d in damage if d.path != MARKER_NAME]
+        if not self._backend.discard(_entry_name(stage, key), identity, paths):
             return
-        for d in damage:
-            if d.path != MARKER_NAME:
-                try:
-                    os.unlink(directory / d.path)
-                except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-                    pass
+        directory = self.entry(stage, key)
+        for path in paths:
+            try:
+                os.unlink(directory / path)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                pass
 
     def keys(self, stage: str) -> list[str]:
         """Keys of the complete entries of `stage` (sorted; validity of entry.json not checked)."""
@@ -418,22 +317,10 @@ class Store:
         return sorted(self._folders())
 
     def _folders(self, stage: str | None = None) -> Iterator[tuple[str, str, bool]]:
-        # (stage, key, has entry.json) of every entry folder (object storage: every entry prefix)
-        if self.remote is not None:
-            found: dict[tuple[str, str], bool] = {}
-            for meta in self.remote.objects(f"{stage}/" if stage else ""):
-                parts = meta["path"].split("/")
-                if len(parts) >= 4 and _is_entry(*parts[:3]):
-                    found[parts[0], parts[2]] = found.get((parts[0], parts[2]), False) or (
-                        len(parts) == 4 and parts[3] == MARKER_NAME)
-            yield from ((s, k, complete) for (s, k), complete in found.items())
-            return
-        stage_dirs = [self.root / stage] if stage else (self.root.iterdir() if self.root.is_dir() else [])
-        for stage_dir in stage_dirs:
-            if stage_dir.is_dir():
-                for directory in stage_dir.glob("??/*"):
-                    if directory.is_dir() and _is_entry(stage_dir.name, directory.parent.name, directory.name):
-                        yield stage_dir.name, directory.name, (directory / MARKER_NAME).is_file()
+        # (stage, key, has entry.json) of every entry where the store keeps them
+        for found, fan_out, key, complete in self._backend.folders(stage):
+            if _is_entry(found, fan_out, key):
+                yield found, key, complete
 
     # ------------------------------------------------------------ writing
 
@@ -447,16 +334,11 @@ class Store:
         """
         directory = self.entry(stage, key)
         directory.mkdir(parents=True, exist_ok=True)
-        if self.remote is not None:
-            self.remote.delete([f"{self._entry_key(stage, key)}/{MARKER_NAME}"])
-        try:
-            os.unlink(directory / MARKER_NAME)
-        except FileNotFoundError:
-            pass
+        self._backend.unmark(_entry_name(stage, key))
         return directory
 
     def commit(
-        self, stage: str, key: str, record: dict[str, Any], *, upstream: dict[str, str] | None = None,
+        self, stage: str, key: str, record: dict[str, Any], *, upstream: Mapping[str, str | None] | None = None,
         skip: Sequence[str] = (),
     ) -> Path:
         """Write `entry.json` holding `record` atomically, marking the entry complete.
@@ -474,28 +356,8 @@ class Store:
         if not directory.is_dir():
             raise FileNotFoundError(f"entry {stage}/{key} was not begun: {directory} does not exist")
         files = _digest_files(directory, skip)
-        sealed = {"record": record, "files": files, "content": _content_digest(files)}
-        if upstream is not None:
-            sealed["upstream"] = dict(upstream)
-        # normalized through JSON, so the checksum is computed on exactly what a reader parses back
-        sealed = json.loads(json.dumps(sealed, allow_nan=False))
-        marker = {
-            "format": MARKER_FORMAT,
-            "stage": stage,
-            "key": key,
-            # microseconds: history orders checkpoints without a training step by it
-            "committed_at": datetime.now(timezone.utc).isoformat(timespec="microseconds"),
-            **sealed,
-            "checksum": key_of(sealed),
-        }
-        if self.remote is None:
-            write_json_atomic(directory / MARKER_NAME, marker, indent=1)
-            return directory
-        prefix = self._entry_key(stage, key)
-        with ThreadPoolExecutor(TRANSFERS) as pool:
-            list(pool.map(lambda name: self.remote.upload(f"{prefix}/{name}", directory / name), files))
-        self.remote.put(f"{prefix}/{MARKER_NAME}",
-                        json.dumps(marker, sort_keys=True, indent=1, ensure_ascii=False).encode("utf-8"))
+        marker = seal(stage, key, record, files, upstream)
+        self._backend.publish(_entry_name(stage, key), list(files), marker)
         return directory
 
     def remove(self, stage: str, key: str) -> None:
@@ -503,49 +365,22 @@ class Store:
 
         The marker goes first, so no reader ever sees a half-deleted entry as complete.
         """
-        directory = self.entry(stage, key)
-        if self.remote is not None:
-            prefix = self._entry_key(stage, key)
-            self.remote.delete([f"{prefix}/{MARKER_NAME}"])
-            self.remote.delete_prefix(prefix)
-        try:
-            os.unlink(directory / MARKER_NAME)
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(directory, ignore_errors=True)
+        self._backend.delete(_entry_name(stage, key))
+        shutil.rmtree(self.entry(stage, key), ignore_errors=True)
 
     # ------------------------------------------------------------ concurrency
 
-    @contextmanager
-    def lock(self, stage: str, key: str, timeout: float | None = None) -> Iterator[Any]:
+    def lock(self, stage: str, key: str, timeout: float | None = None) -> AbstractContextManager[Lease | None]:
         """Hold an exclusive lock on (stage, key), across processes and machines, for the `with` block.
 
-        Local: `fcntl.flock` on `<key>.lock` beside the entry: the OS releases it when the
-        holder exits or is killed, so a crashed run never blocks the next one (a lock
-        *file* would). The lock file is never deleted: deleting it while another
-        process waits on it would let a third one lock a fresh file at the same time.
-        Object storage: the lease object `<key>.lock` beside the entry (storage.object_storage), which
-        expires when its holder stops renewing it; it yields the `Lease` (its `check()` raises if it
-        was lost), locally None.
+        Local: `fcntl.flock` on `<key>.lock` beside the entry, which the OS releases when the holder
+        exits or is killed (storage.local_backend). Object storage: the lease object `<key>.lock`
+        beside the entry (storage.object_storage), which expires when its holder stops renewing it; it
+        yields the `Lease` (its `check()` raises if it was lost), locally None.
         `timeout` None waits forever; otherwise raises `LockTimeout`. Not re-entrant
         within one process (a second `lock` on the same entry waits for the first).
         """
-        if self.remote is not None:
-            try:
-                with self.remote.lease(f"{self._entry_key(stage, key)}.lock", timeout=timeout) as lease:
-                    yield lease
-            except LockBusy as e:
-                raise LockTimeout(str(e)) from None
-            return
-        directory = self.entry(stage, key)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = directory.parent / f"{key}.lock"
-        with open(lock_path, "a") as lock_file:
-            _flock_exclusive(lock_file, lock_path, timeout)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock_file, fcntl.LOCK_UN)
+        return self._backend.lock(_entry_name(stage, key), timeout)
 
     def get_or_compute(
         self,
@@ -592,30 +427,38 @@ class Store:
                 if _unfit(entry, upstream, holds) is None:
                     return Outcome(entry.record, entry.content)
         with self.lock(stage, key, timeout=timeout) as lease:
+            old: Entry | None = None
             try:
                 old = self.read_entry(stage, key)
             except EntryMissing as e:
-                old, found = None, found or e
+                found = found or e
             if refresh:
                 miss = Miss(REFRESH, "refresh asked", old)
-            elif old is None:
-                miss = Miss(DAMAGED if found.damaged else ABSENT, found.reason)
-            else:
-                miss = _unfit(old, upstream, holds)
-                if miss is None:  # committed by another process while this one waited for the lock
+            elif old is not None:
+                unfit = _unfit(old, upstream, holds)
+                if unfit is None:  # committed by another process while this one waited for the lock
                     return Outcome(old.record, old.content)
+                miss = unfit
+            else:
+                assert found is not None  # the second look missed too
+                miss = Miss(DAMAGED if found.damaged else ABSENT, found.reason)
             if on_miss is not None:
                 on_miss(miss)
             if miss.kind in (REFRESH, STALE):
                 self.remove(stage, key)
             directory = self.begin(stage, key)
-            record = extend(directory, old) if miss.kind == LACKING else compute(directory)
+            if miss.kind == LACKING:
+                assert extend is not None and old is not None  # `holds` (given with extend) found `old` lacking
+                record = extend(directory, old)
+            else:
+                record = compute(directory)
             if lease is not None:
                 lease.check()  # never commit what another process may be computing since our lease lapsed
             self.commit(stage, key, record, upstream=upstream() if upstream else None, skip=skip)
             return Outcome(record, self.content(stage, key), miss)
 
-def changed_upstream(recorded: dict[str, str | None] | None, current: dict[str, str | None]) -> list[str]:
+
+def changed_upstream(recorded: Mapping[str, str | None] | None, current: Mapping[str, str | None]) -> list[str]:
     """The labels whose content differs between what an entry recorded and `current` (every label of
     either). Nothing when the entry recorded no upstream (committed before digests were recorded)."""
     if recorded is None:
@@ -623,7 +466,8 @@ def changed_upstream(recorded: dict[str, str | None] | None, current: dict[str, 
     return sorted(label for label in set(recorded) | set(current) if recorded.get(label) != current.get(label))
 
 
-def _unfit(entry: Entry, upstream, holds) -> Miss | None:
+def _unfit(entry: Entry, upstream: Callable[[], dict[str, str | None]] | None,
+           holds: Callable[[Entry], bool] | None) -> Miss | None:
     # Why a committed, undamaged entry cannot be used as it is (None: it can).
     changed = changed_upstream(entry.upstream, upstream()) if upstream else []
     if changed:
@@ -633,45 +477,25 @@ def _unfit(entry: Entry, upstream, holds) -> Miss | None:
     return None
 
 
+def _entry_name(stage: str, key: str) -> str:
+    # the entry's path relative to the root (and its prefix on object storage), the one place that knows it
+    _check_stage_key(stage, key)
+    return f"{stage}/{key[:2]}/{key}"
+
+
 def _is_entry(stage: str, fan_out: str, key: str) -> bool:
     return bool(_STAGE_RE.fullmatch(stage) and _KEY_RE.fullmatch(key)) and fan_out == key[:2]
 
 
-def _parse_marker(raw: bytes, stage: str, key: str) -> tuple[str | None, Entry | None]:
-    # Returns (problem, entry): problem is None for a valid marker of this very entry.
-    try:
-        data = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return f"not JSON ({e})", None
-    if not isinstance(data, dict) or not isinstance(data.get("record"), dict):
-        return "no 'record' object", None
-    if data.get("format") != MARKER_FORMAT:
-        return f"unknown format {data.get('format')!r}", None
-    if (data.get("stage"), data.get("key")) != (stage, key):
-        # A directory copied or renamed by hand: its content belongs to another key.
-        return f"belongs to {data.get('stage')}/{data.get('key')}", None
-    files, upstream = data.get("files"), data.get("upstream")
-    if "checksum" in data:
-        sealed = {name: data[name] for name in ("record", "files", "content", "upstream") if name in data}
-        try:
-            intact = key_of(sealed) == data["checksum"]
-        except (TypeError, ValueError):
-            intact = False
-        if not intact:
-            return "checksum mismatch (the record or its digests changed since commit)", None
-        if not isinstance(files, dict) or not all(
-            isinstance(f, dict) and isinstance(f.get("size"), int) and isinstance(f.get("sha256"), str)
-            and not Path(name).is_absolute() and ".." not in Path(name).parts  # damaged files are deleted
-            for name, f in files.items()
-        ):
-            return "malformed 'files'", None
-    elif files is not None:
-        return "digests without a checksum", None
-    return None, Entry(stage, key, data["record"], files, data.get("content"),
-                       upstream if isinstance(upstream, dict) else None, data.get("committed_at"))
+def _map(function: Callable[[_T], _R], items: Iterable[_T], workers: int) -> list[_R]:
+    # function over items, `workers` at a time (one: in this thread)
+    if workers == 1:
+        return [function(item) for item in items]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(function, items))
 
 
-def _digest_files(directory: Path, skip: Sequence[str]) -> dict[str, dict[str, Any]]:
+def _digest_files(directory: Path, skip: Sequence[str]) -> FileDigests:
     """{relative path: {"size", "sha256"}} of the files under directory, but the marker, partial files
     (temporary files, the relay's .partial/ folder) and the top-level folders in `skip`."""
     files = {}
@@ -687,34 +511,28 @@ def _digest_files(directory: Path, skip: Sequence[str]) -> dict[str, dict[str, A
     return files
 
 
-def _content_digest(files: dict[str, dict[str, Any]]) -> str:
-    return key_of({path: f["sha256"] for path, f in files.items()})
-
-
-def _file_damage(directory: Path, files: dict[str, dict[str, Any]] | None, full: bool) -> list[Damage]:
-    """What no longer matches the digests recorded at commit; for an entry committed before digests
-    were recorded, its top-level JSON files that do not parse."""
-    if files is None:
-        damage = []
-        for path in sorted(directory.glob("*.json")):
-            if path.name != MARKER_NAME:
-                try:
-                    json.loads(path.read_bytes().decode("utf-8"))
-                except (UnicodeDecodeError, ValueError) as e:
-                    damage.append(Damage(path.name, f"not JSON ({e})"))
-        return damage
-    return [d for name, recorded in files.items() if (d := _local_damage(directory, name, recorded, full))]
+def _unparsable_json(directory: Path) -> list[Damage]:
+    """The top-level JSON files of an entry committed before digests were recorded that do not parse."""
+    damage = []
+    for path in sorted(directory.glob("*.json")):
+        if path.name != MARKER_NAME:
+            try:
+                json.loads(path.read_bytes().decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                damage.append(Damage(path.name, f"not JSON ({e})"))
+    return damage
 
 
 def _local_damage(directory: Path, name: str, recorded: dict[str, Any], full: bool) -> Damage | None:
     """What is wrong with file `name` of an entry's folder: missing, resized, or (hashed when small or `full`)
     changed."""
     path = directory / name
+    size: int | None
     try:
         size = path.stat().st_size
     except (FileNotFoundError, NotADirectoryError):
         size = None
-    hashed = size == recorded["size"] and (full or size <= VERIFY_ON_READ_BYTES)
+    hashed = size == recorded["size"] and (full or recorded["size"] <= VERIFY_ON_READ_BYTES)
     return _mismatch(name, recorded, size, file_sha256(path) if hashed else None)
 
 
@@ -727,35 +545,3 @@ def _mismatch(name: str, recorded: dict[str, Any], size: int | None, sha256: str
     if sha256 is not None and sha256 != recorded["sha256"]:
         return Damage(name, "sha256 differs from the one recorded at commit")
     return None
-
-
-def _unlink_if_same_file(path: Path, inode: int) -> bool:
-    # Between reading a damaged marker and removing it, a writer may have committed a good one
-    # (os.replace gives it a new inode): leave that one alone. The remaining window is tiny and
-    # costs at most a recomputation, never a wrong result. True if it was removed.
-    try:
-        if os.stat(path).st_ino == inode:
-            os.unlink(path)
-            return True
-    except FileNotFoundError:
-        pass
-    return False
-
-
-def _flock_exclusive(lock_file, lock_path: Path, timeout: float | None) -> None:
-    if timeout is None:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        return
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while True:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-        if time.monotonic() >= deadline:
-            raise LockTimeout(f"could not lock {lock_path} within {timeout} s (another process holds it)")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)

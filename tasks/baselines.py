@@ -17,8 +17,8 @@ STAGE = Stage.BASELINES
 
 
 @task(name="baselines", cache_policy=NONE, persist_result=False)
-def mark_baseline(checkpoint: Checkpoint, store_root: str):
+def mark_baseline(checkpoint: Checkpoint, store_location: str):
     """Record in the store that `checkpoint` is scored as a baseline."""
-    outcome = get_or_compute(Store(store_root), STAGE, checkpoint.key,
+    outcome = get_or_compute(Store(store_location), STAGE, checkpoint.key,
                              lambda entry: BaselineRecord(source=checkpoint.source, step=checkpoint.step).to_record())
     return checkpoint.key if outcome.computed else cached(checkpoint.key)

@@ -9,7 +9,8 @@ from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
 from dflash_core.diagnostics import DEFAULT_OFFSETS, Variant, diagnostic_variants, first_divergences, variant_features
-from dflash_core.drafter import SLIDING_SEMANTICS, load_drafter, read_drafter_config
+from dflash_core.choices import SLIDING_SEMANTICS
+from dflash_core.drafter import load_drafter
 from dflash_core.metrics import PromptScore, tau_macro
 from dflash_core.replay import ReplayResult, replay
 from dflash_core.target import read_target_config
@@ -26,7 +27,7 @@ from .progress import StageProgress
 from .references import ReferenceSet, load_references
 from .scores import Scores
 from .stage import cached, get_or_compute
-from .target import DTYPES, target_tokenizer
+from .target import DTYPES
 from .threads import replay_threads
 
 STAGE = Stage.DIAGNOSTICS
@@ -57,7 +58,7 @@ def diagnose(
     drafts: Drafts,
     scores: Scores,
     target_dir: str,
-    store_root: str,
+    store_location: str,
     dtype: str = "float32",
     device: str = "cpu",
     refresh: bool = False,
@@ -65,23 +66,23 @@ def diagnose(
     """Tau with each layer's features zeroed, with all of them, with shifted layers, with the other
     sliding semantics; and the first rejected draft of each prompt, as text. `features` must hold
     layers_needed(...) (the flow extracts them with the drafter's)."""
-    store = Store(store_root)
+    store = Store(store_location)
     key = key_of({"drafts": drafts.key, "offsets": list(DEFAULT_OFFSETS), "examples": EXAMPLES,
                   "diagnostics": DIAGNOSTICS_VERSION})
 
     def compute(entry: Path) -> dict:
         verify_checkpoint(store, checkpoint)
         semantics = drafts.sliding_semantics
-        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=semantics,
-                              tokenizer=target_tokenizer(target_dir))
+        drafter = load_drafter(checkpoint.path, config=checkpoint.config, dtype=DTYPES[dtype], device=device,
+                               sliding_semantics=semantics)
         ids = tuple(drafter.target_layer_ids)
         num_layers = read_target_config(target_dir).num_layers
         variants, out_of_range = diagnostic_variants(ids, num_layers)
         switched = None
         if "sliding_attention" in drafter.cfg.layer_types:
             other = next(s for s in SLIDING_SEMANTICS if s != semantics)
-            switched = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=other,
-                                   tokenizer=target_tokenizer(target_dir))
+            switched = load_drafter(checkpoint.path, config=checkpoint.config, dtype=DTYPES[dtype], device=device,
+                                    sliding_semantics=other)
         head = load_token_head(target_dir, dtype=DTYPES[dtype])
         embed, lm_head = head.embed_weight.to(device), head.head_weight.to(device)
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -89,7 +90,7 @@ def diagnose(
         # the unmodified decode steps are the drafts stage's: not replayed again
         unmodified = [ReplayResult(d["starts"], d["acceptance_lengths"], d["rejected_drafts"])
                       for d in read_json(Path(drafts.path) / DRAFTS_FILE)["per_prompt"]]
-        feature_reader = FeatureReader(features, refs, target_dir, store_root, dtype, device)
+        feature_reader = FeatureReader(features, refs, target_dir, store, dtype, device)
         needed = layers_needed(ids, num_layers)
         results: dict[str, list[ReplayResult]] = {v.name: [] for v in variants}
         switched_results, examples = [], []
@@ -137,7 +138,7 @@ def diagnose(
         return DiagnosticsRecord(drafts=drafts.key, scores=scores.key).to_record()
 
     # what it is built from; the layers it reads are layers_needed of the drafter's ids, as in compute
-    ids = read_drafter_config(checkpoint.path, tokenizer=target_tokenizer(target_dir)).target_layer_ids
+    ids = checkpoint.config.target_layer_ids
     needed = layers_needed(ids, read_target_config(target_dir).num_layers)
     labels = [entry_label(Stage.DRAFTS, drafts.key), entry_label(Stage.SCORES, scores.key),
               entry_label(Stage.FETCH, checkpoint.key), entry_label(Stage.REFERENCES, refs.key),

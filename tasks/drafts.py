@@ -13,6 +13,7 @@ tasks/cluster.py) each group is one shard drafted on a worker and kept as its ow
 order into a drafts.json byte for byte the one a single process writes.
 """
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,20 +23,22 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.choices import DEFAULT_REPLAY_GROUP
-from dflash_core.drafter import check_compatible, load_drafter, read_drafter_config
+from dflash_core.drafter import DFlashDrafter, load_drafter
+from dflash_core.drafter_config import check_compatible
 from dflash_core.replay import replay
 from dflash_core.token_head import load_token_head
-from dflash_eval.storage import EntryMissing, Store, key_of, write_json_atomic
+from dflash_eval.storage import EntryMissing, Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, features_label, upstream_digests
-from dflash_eval.storage.schema import DRAFTS_FILE, DraftsRecord, Stage
+from dflash_eval.storage.schema import DRAFT_SHARD_FILE, DRAFTS_FILE, DraftShardRecord, DraftsRecord, Stage
 
+from .cluster import load_once, run_shards, use_worker_threads, worker_identity
 from .features import FeatureReader, FeatureSet
-from .fetch import Checkpoint
+from .fetch import CHECKPOINT_DIRNAME, Checkpoint
 from .heavy import heavy
 from .progress import StageProgress
-from .references import ReferenceSet, load_references
+from .references import ReferenceItem, ReferenceSet, load_references, references_here
 from .stage import cached, get_or_compute
-from .target import DTYPES, target_tokenizer
+from .target import DTYPES
 from .threads import replay_threads
 
 STAGE = Stage.DRAFTS
@@ -73,7 +76,7 @@ def draft(
     features: FeatureSet,
     refs: ReferenceSet,
     target_dir: str,
-    store_root: str,
+    store_location: str,
     sliding_semantics: str = "causal",
     dtype: str = "float32",
     device: str = "cpu",
@@ -85,10 +88,9 @@ def draft(
     """Acceptance lengths per prompt, in decode order (drafted against the references, no target run);
     all_positions: also the acceptance length of a block at every position (dflash_core.replay).
     replay_group: prompts replayed together (see the module docstring); dask_address: draft each group on
-    a worker of that Dask cluster (tasks/cluster.py: `target_dir` must be the same path on every worker)."""
-    store = Store(store_root)
-    tokenizer = target_tokenizer(target_dir)  # resolves a mask token given as a string
-    config = read_drafter_config(checkpoint.path, tokenizer=tokenizer)  # the key needs only the config, not the weights
+    a worker of that Dask cluster (`target_dir` must be the same path on every worker)."""
+    store = Store(store_location)
+    config = checkpoint.config
     key = key_of({
         "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
         "block_size": config.block_size, "sliding_semantics": sliding_semantics,
@@ -99,15 +101,13 @@ def draft(
     })
     labels = [entry_label(Stage.FETCH, checkpoint.key), entry_label(Stage.REFERENCES, refs.key),
               features_label(features.key, config.target_layer_ids, features.n)]
+    groups = replay_groups(refs.n, replay_group)
+    models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device)
 
     def compute_on_cluster(entry: Path) -> dict:
-        from .cluster import draft_on_cluster
-
         verify_checkpoint(store, checkpoint)
-        per_prompt, shards = draft_on_cluster(
-            dask_address, store, key, checkpoint, features, refs, target_dir,
-            replay_groups(refs.n, replay_group), labels, sliding_semantics=sliding_semantics, dtype=dtype,
-            device=device, all_positions=all_positions, refresh=refresh)
+        per_prompt, shards = draft_on_cluster(dask_address, store, key, models, features, refs, groups, labels,
+                                              all_positions=all_positions, refresh=refresh)
         write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
         return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=config.block_size,
                             sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids),
@@ -115,40 +115,135 @@ def draft(
 
     def compute(entry: Path) -> dict:
         verify_checkpoint(store, checkpoint)
-        drafter = load_drafter(checkpoint.path, dtype=DTYPES[dtype], device=device, sliding_semantics=sliding_semantics,
-                               tokenizer=tokenizer)
-        head = load_token_head(target_dir, dtype=DTYPES[dtype])
-        check_compatible(drafter, head.embed_weight.shape[1], head.embed_weight.shape[0])
-        embed, lm_head = head.embed_weight.to(device), head.head_weight.to(device)
+        drafter, embed, lm_head = models.load()
         items = load_references(refs)
-        feature_reader = FeatureReader(features, refs, target_dir, store_root, dtype, device)
-        results = []
-        # Groups of prompts: replay reads one prompt's features at a time (a large target's are
-        # ~50 KB per token) and keeps only a group's context keys/values, and a group still fills
-        # replay's batches of 64 blocks.
+        reader = FeatureReader(features, refs, target_dir, store, dtype, device)
+        per_prompt: list[dict] = []
         with StageProgress(STAGE, "prompts drafted", len(items)) as progress, replay_threads(drafter, len(items)):
-            for start, stop in replay_groups(len(items), replay_group):
-                group = range(start, stop)
-                feats = (f.to(device) for f in feature_reader.read_each(drafter.target_layer_ids, group))
-                results += replay(drafter, embed, lm_head, [items[n].reference for n in group], feats,
-                                  all_positions=all_positions)
-                progress.update(len(results))
-        write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt_items(items, results)})
-        return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=drafter.block_size,
-                            sliding_semantics=sliding_semantics,
-                            layer_ids=tuple(drafter.target_layer_ids)).to_record()
+            for start, stop in groups:
+                per_prompt += draft_group(drafter, embed, lm_head, items, reader, start, stop, all_positions)
+                progress.update(len(per_prompt))
+        write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
+        return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=config.block_size,
+                            sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids)).to_record()
 
     # on a cluster the workers compute: this process takes no heavy-stage slot
     outcome = get_or_compute(store, STAGE, key, compute_on_cluster if dask_address else heavy(compute),
                              refresh=refresh, upstream=lambda: upstream_digests(store, labels))
     record = DraftsRecord.from_record(outcome.record)
     if outcome.computed and dask_address:
-        from .cluster import remove_draft_shards
-
-        remove_draft_shards(store, key, replay_groups(refs.n, replay_group))  # drafts.json holds them now
+        remove_draft_shards(store, key, groups)  # drafts.json holds them now
     drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record.block_size,
                     sliding_semantics=record.sliding_semantics, shards=record.shards)
     return drafts if outcome.computed else cached(drafts)
+
+
+@dataclass(frozen=True)
+class ReplayModels:
+    """What a replay computes with: the fetched drafter and the target's embedding and lm_head."""
+
+    checkpoint: Checkpoint
+    target_dir: str
+    sliding_semantics: str
+    dtype: str
+    device: str
+
+    def drafter(self, checkpoint_dir: Path | None = None) -> DFlashDrafter:
+        """The drafter, from `checkpoint_dir` (a worker's own copy of the fetch entry), else from the
+        checkpoint's path; its config is the one validated at the fetch, not read again."""
+        return load_drafter(checkpoint_dir or self.checkpoint.path, config=self.checkpoint.config,
+                            dtype=DTYPES[self.dtype], device=self.device, sliding_semantics=self.sliding_semantics)
+
+    def token_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's (embedding [V, H], lm_head [V, H]) on the device."""
+        head = load_token_head(self.target_dir, dtype=DTYPES[self.dtype])
+        return head.embed_weight.to(self.device), head.head_weight.to(self.device)
+
+    def load(self) -> tuple[DFlashDrafter, torch.Tensor, torch.Tensor]:
+        """(drafter, embedding, lm_head), checked to fit each other."""
+        drafter, (embed, lm_head) = self.drafter(), self.token_head()
+        check_compatible(drafter.cfg, embed.shape[1], embed.shape[0])
+        return drafter, embed, lm_head
+
+
+def draft_group(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, items: list[ReferenceItem],
+                reader: FeatureReader, start: int, stop: int, all_positions: bool) -> list[dict]:
+    """Replay prompts start .. stop-1 of `items` (one replay group) together; returns their drafts.json
+    `per_prompt` items. The one replay loop of the stage: this process's groups and a cluster's shards."""
+    # replay reads one prompt's features at a time (a large target's are ~50 KB per token) and keeps only the
+    # group's context keys/values; a group still fills replay's batches of 64 blocks
+    group = range(start, stop)
+    features = (f.to(embed.device) for f in reader.read_each(drafter.target_layer_ids, group))
+    results = replay(drafter, embed, lm_head, [items[n].reference for n in group], features,
+                     all_positions=all_positions)
+    return per_prompt_items(items[start:stop], results)
+
+
+# ---------------------------------------------------------------- on a Dask cluster (tasks/cluster.py)
+
+def draft_shard_key(drafts_key: str, start: int, stop: int) -> str:
+    """The store key of the shard of drafts entry `drafts_key` that drafts prompts start .. stop-1."""
+    return key_of({"drafts": drafts_key, "prompts": [start, stop]})
+
+
+@task(name="drafts shard", task_run_name="drafts shard {label}", cache_policy=NONE, persist_result=False)
+def draft_shard(store_location: str, drafts_key: str, models: ReplayModels, features: FeatureSet, refs: ReferenceSet,
+                start: int, stop: int, upstream: list[str], all_positions: bool, label: str = "") -> dict:
+    """On a worker: replay prompts start .. stop-1 (one replay group of drafts entry `drafts_key`) and commit
+    their per-prompt items as a draft-shards entry, unless one is committed and fresh (its `upstream` labels:
+    the drafts entry's); returns what the drafts record says of the shard (DraftShardRecord.shard)."""
+    store = Store(store_location)
+
+    def compute(entry: Path) -> dict:
+        started = time.monotonic()
+        use_worker_threads()
+        local_refs = references_here(store, refs)
+        checkpoint_dir = store.local_entry(Stage.FETCH, models.checkpoint.key) / CHECKPOINT_DIRNAME
+        # loaded once per worker process, whatever number of shards it drafts (the head shared by its drafters)
+        drafter = load_once(("drafter", models.checkpoint.key, models.sliding_semantics, models.dtype, models.device),
+                            lambda: models.drafter(checkpoint_dir))
+        embed, lm_head = load_once(("token head", models.target_dir, models.dtype, models.device), models.token_head)
+        check_compatible(drafter.cfg, embed.shape[1], embed.shape[0])
+        reader = FeatureReader(features, local_refs, models.target_dir, store, models.dtype, models.device)
+        with replay_threads(drafter, stop - start):
+            per_prompt = draft_group(drafter, embed, lm_head, load_references(local_refs), reader, start, stop,
+                                     all_positions)
+        write_json_atomic(entry / DRAFT_SHARD_FILE, {"per_prompt": per_prompt})
+        return DraftShardRecord(drafts=drafts_key, start=start, stop=stop, **worker_identity(),
+                                seconds=round(time.monotonic() - started, 3)).to_record()
+
+    outcome = get_or_compute(store, Stage.DRAFT_SHARDS, draft_shard_key(drafts_key, start, stop), compute,
+                             upstream=lambda: upstream_digests(store, upstream))
+    return DraftShardRecord.from_record(outcome.record).shard()
+
+
+def draft_on_cluster(address: str, store: Store, drafts_key: str, models: ReplayModels, features: FeatureSet,
+                     refs: ReferenceSet, groups: list[tuple[int, int]], upstream: list[str], *, all_positions: bool,
+                     refresh: bool = False) -> tuple[list[dict], tuple[dict, ...]]:
+    """Draft each replay group of drafts entry `drafts_key` as a shard on the cluster at `address` (shards an
+    interrupted run committed are kept, unless `refresh`); returns (drafts.json's per_prompt items, merged in
+    prompt order; the shards' records)."""
+    if refresh:  # recomputed whole, as the entry itself
+        remove_draft_shards(store, drafts_key, groups)
+    parameters = [dict(store_location=store.location, drafts_key=drafts_key, models=models, features=features,
+                       refs=refs, start=start, stop=stop, upstream=list(upstream), all_positions=all_positions,
+                       label=f"prompts {start}-{stop - 1}")
+                  for start, stop in groups]
+    shards = run_shards(address, draft_shard, parameters, STAGE, "replay groups drafted")
+    per_prompt = []
+    for start, stop in groups:
+        directory = store.local_entry(Stage.DRAFT_SHARDS, draft_shard_key(drafts_key, start, stop))
+        per_prompt += read_json(directory / DRAFT_SHARD_FILE)["per_prompt"]
+    return per_prompt, tuple(shards)
+
+
+def remove_draft_shards(store: Store, drafts_key: str, groups: list[tuple[int, int]]) -> None:
+    """Remove the draft-shards entries of drafts entry `drafts_key` (once drafts.json holds them, or before
+    a refresh drafts every group again)."""
+    for start, stop in groups:
+        key = draft_shard_key(drafts_key, start, stop)
+        with store.lock(Stage.DRAFT_SHARDS, key):
+            store.remove(Stage.DRAFT_SHARDS, key)
 
 
 class CheckpointDamaged(RuntimeError):

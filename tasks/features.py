@@ -17,6 +17,7 @@ with another content make it stale, and it is extracted again.
 """
 
 import contextvars
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -35,9 +36,10 @@ from dflash_eval.storage.integrity import entry_label, upstream_digests
 from dflash_eval.storage.schema import FeaturesRecord, Stage
 from dflash_eval.storage.store import Entry
 
+from .cluster import run_shards, use_worker_threads, worker_identity
 from .heavy import heavy_stage
 from .progress import StageProgress, stage_logger
-from .references import ReferenceSet, load_references
+from .references import ReferenceSet, load_references, references_here
 from .stage import cached, get_or_compute
 from .target import loaded_target, target_key
 from .threads import compute_threads, parameter_count
@@ -67,7 +69,7 @@ def extract_target_features(
     target_dir: str,
     refs: ReferenceSet,
     layer_ids: tuple[int, ...],
-    store_root: str,
+    store_location: str,
     dtype: str = "float32",
     device: str = "cpu",
     refresh: bool = False,
@@ -76,7 +78,7 @@ def extract_target_features(
     """Extract the hidden states of `layer_ids` that the store does not hold yet (absent, incomplete,
     or with a lost or short chunk: each such array is named in the log); with `dask_address`, on the
     workers of that Dask cluster (tasks/cluster.py: `target_dir` must be the same path on every worker)."""
-    store = Store(store_root)
+    store = Store(store_location)
     key = key_of({
         "target": target_key(target_dir, store), "references": refs.key, "dtype": dtype,
         "device": torch.device(device).type, "extractor": EXTRACTOR_VERSION,
@@ -96,15 +98,13 @@ def extract_target_features(
                                    f"({'; '.join(reasons)}{'; ...' if len(lost) > 5 else ''}): extracting them again")
         shards = None
         if missing and dask_address:  # the workers compute: this process takes no heavy-stage slot
-            from .cluster import extract_on_cluster
-
             shards = extract_on_cluster(dask_address, store, key, refs, target_dir, missing, dtype, device)
             if still_missing := feature_store.missing(layer_ids, refs.n):
                 raise RuntimeError(f"{STAGE}/{key}: the cluster's shards left {len(still_missing)} arrays unwritten "
                                    f"(first: layer_{still_missing[0][0]}/seq_{still_missing[0][1]})")
         elif missing:
             with heavy_stage():
-                _extract(target_dir, refs, missing, feature_store, dtype, device)
+                extract_arrays(target_dir, refs, missing, feature_store, dtype, device)
         return FeaturesRecord(layer_ids=tuple(sorted(set(held) | set(layer_ids))), n=refs.n, references=refs.key,
                               dtype=dtype, shards=shards).to_record()
 
@@ -138,10 +138,10 @@ class FeatureReader:
     then read again: the replay never sees damaged features and never fails for good on them.
     """
 
-    def __init__(self, features: FeatureSet, refs: ReferenceSet, target_dir: str, store_root: str,
+    def __init__(self, features: FeatureSet, refs: ReferenceSet, target_dir: str, store: Store,
                  dtype: str, device: str):
         self.features, self.refs, self.target_dir = features, refs, target_dir
-        self.store, self.dtype, self.device = Store(store_root), dtype, device
+        self.store, self.dtype, self.device = store, dtype, device
         self.feature_store = self.store.feature_store(features.key)
         self.repaired: list[tuple[int, int]] = []
 
@@ -191,7 +191,7 @@ class FeatureReader:
                     self.feature_store.discard(layer_id, n)
                     todo.append((layer_id, n))
             if todo:
-                _extract(self.target_dir, self.refs, todo, self.feature_store, self.dtype, self.device)
+                extract_arrays(self.target_dir, self.refs, todo, self.feature_store, self.dtype, self.device)
                 self.repaired += todo
 
 
@@ -204,8 +204,11 @@ def extraction_batches(sequences: Sequence[Sequence[int]], missing) -> list[list
     return [b for b in length_sorted_batches([len(s) for s in sequences], BATCH_SIZE) if any(n in wanted for n in b)]
 
 
-def _extract(target_dir, refs, missing, feature_store, dtype, device, progress: bool = True) -> None:
-    # progress: a stage's own bar and artifact (a cluster's shard leaves those to the stage that submitted it)
+def extract_arrays(target_dir: str, refs: ReferenceSet, missing, feature_store: FeatureStore, dtype: str,
+                   device: str, progress: bool = True) -> None:
+    """Extract the `missing` (layer, sequence) arrays with the target into `feature_store`, batch by batch of
+    the fixed plan (`extraction_batches`). progress: the stage's own bar and artifact (a cluster's shard leaves
+    those to the stage that submitted it)."""
     sequences = [item.reference.token_ids for item in load_references(refs)]
     missing_by_seq: dict[int, set[int]] = {}
     for layer_id, n in missing:
@@ -227,3 +230,37 @@ def _extract(target_dir, refs, missing, feature_store, dtype, device, progress: 
             done += len(batch)
             if bar is not None:
                 bar.update(done)
+
+
+# ---------------------------------------------------------------- on a Dask cluster (tasks/cluster.py)
+
+@task(name="features shard", task_run_name="features shard {label}", cache_policy=NONE, persist_result=False)
+def extract_features_shard(store_location: str, features_key: str, refs: ReferenceSet, target_dir: str,
+                           arrays: list[tuple[int, int]], dtype: str, device: str, label: str = "") -> dict:
+    """On a worker: extract the (layer, sequence) `arrays` of one batch into features entry `features_key`,
+    those the entry does not hold yet (a shard run again after its worker died does only the rest); returns
+    the shard's record: its sequences, the arrays it extracted, who extracted them and how long it took."""
+    started = time.monotonic()
+    use_worker_threads()
+    store = Store(store_location)
+    feature_store = store.feature_store(features_key)
+    todo = [(layer, n) for layer, n in arrays if not feature_store.has(layer, n)]
+    if todo:
+        extract_arrays(target_dir, references_here(store, refs), todo, feature_store, dtype, device, progress=False)
+    return {"sequences": sorted({n for _, n in arrays}), "arrays": len(todo), **worker_identity(),
+            "seconds": round(time.monotonic() - started, 3)}
+
+
+def extract_on_cluster(address: str, store: Store, features_key: str, refs: ReferenceSet, target_dir: str, missing,
+                       dtype: str, device: str) -> tuple[dict, ...]:
+    """Extract the `missing` (layer, sequence) arrays of features entry `features_key` on the cluster at
+    `address`, one shard per batch of the single-process plan; returns the shards' records."""
+    sequences = [item.reference.token_ids for item in load_references(refs)]
+    batches = extraction_batches(sequences, missing)
+    parameters = []
+    for i, batch in enumerate(batches, 1):
+        members = set(batch)
+        parameters.append(dict(store_location=store.location, features_key=features_key, refs=refs,
+                               target_dir=target_dir, arrays=[(layer, n) for layer, n in missing if n in members],
+                               dtype=dtype, device=device, label=f"{i}/{len(batches)}"))
+    return tuple(run_shards(address, extract_features_shard, parameters, STAGE, "feature batches extracted"))

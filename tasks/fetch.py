@@ -41,7 +41,7 @@ from dflash_core.checkpoint_files import (
     step_from_name,
     training_step,
 )
-from dflash_core.drafter import DrafterConfig, DrafterError
+from dflash_core.drafter_config import DrafterConfig, DrafterError, read_drafter_config
 from dflash_core.drafter_weights import check_drafter_weights, export_drafter_weights
 from dflash_eval.storage import Store, file_sha256, key_of
 from dflash_eval.storage.relay.client import RelayClient, RelayError, parse_checkpoint_url
@@ -50,6 +50,7 @@ from dflash_eval.storage.tokens import TokenFileError, read_token_file
 
 from .progress import StageProgress, stage_logger
 from .stage import cached, get_or_compute, refusals_fail_cleanly
+from .target import target_tokenizer
 
 STAGE = Stage.FETCH
 CHECKPOINT_DIRNAME = "checkpoint"
@@ -73,6 +74,7 @@ class Checkpoint:
     path: str  # the checkpoint folder inside the store entry
     source: str  # where it was fetched from
     step: int | None  # training step (checkpoint_files.training_step, as the relay reads it)
+    config: DrafterConfig  # its config.json as validated once, at the fetch: what every later stage reads
     layout: str = "hf"  # how the trainer saved it: "hf" or "specforge" (checkpoint_files)
     config_source: str = "checkpoint"  # "checkpoint", "run folder" or "--drafter-config <file>"
     fetched_by_this_run: bool = False  # its files were hashed at commit, moments ago (not a cache hit)
@@ -264,7 +266,8 @@ def fetched_files(ready: ReadyCheckpoint, drafter_config: str | None, store: Sto
 @refusals_fail_cleanly(CheckpointError)
 def fetch_checkpoint(
     source: str,
-    store_root: str,
+    store_location: str,
+    target_dir: str,
     relay_token_file: str | None = None,
     drafter_config: str | None = None,
     include: list[str] | None = None,
@@ -273,8 +276,9 @@ def fetch_checkpoint(
     refresh: bool = False,
 ):
     """The checkpoint in the store: the files evaluation needs, copied (local) or downloaded (relay) and
-    verified, unless already there; a SpecForge payload becomes model.safetensors."""
-    store = Store(store_root)
+    verified, unless already there; a SpecForge payload becomes model.safetensors. Its config is read once,
+    here, with the target's tokenizer (which resolves a mask token given as a string), into the record."""
+    store = Store(store_location)
     logger = stage_logger()
     ready = await_checkpoint(source, relay_token_file, include, wait_seconds, settle_seconds)
     files, config_source = fetched_files(ready, drafter_config, store)
@@ -284,6 +288,7 @@ def fetch_checkpoint(
     logger.info(f"drafter {source}: {ready.layout} layout, config from {config_source}")
     key = key_of({"files": files})
     external_config = ready.config_source is None  # the drafter_config file: copied in, not fetched
+    parsed: list[DrafterConfig] = []  # the fetched copy's config, read once (by `compute` when it fetches)
 
     def compute(entry: Path) -> dict:
         destination = entry / CHECKPOINT_DIRNAME
@@ -307,8 +312,9 @@ def fetch_checkpoint(
             if file_sha256(destination / CONFIG) != files[CONFIG]:
                 raise CheckpointError(f"--drafter-config {drafter_config} changed while this run used it; run again")
         try:
-            weights_from = _export_payload(destination) if ready.layout == "specforge" else None
-            check_drafter_weights(destination)
+            parsed.append(read_drafter_config(destination, tokenizer=target_tokenizer(target_dir)))
+            weights_from = _export_payload(destination, parsed[0]) if ready.layout == "specforge" else None
+            check_drafter_weights(destination, parsed[0])
         except (CheckpointError, DrafterError) as e:
             shutil.rmtree(entry)  # verified bytes of a bad checkpoint: nothing of it stays in the store
             where = str(e).replace(f"{destination}/", "").replace(f"{destination}: ", "")  # not the store's path
@@ -319,19 +325,21 @@ def fetch_checkpoint(
 
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
     record = FetchRecord.from_record(outcome.record)
-    checkpoint = Checkpoint(key=key, path=str(store.entry(STAGE, key) / CHECKPOINT_DIRNAME), source=source,
-                            step=record.step, layout=record.layout, config_source=record.config_source,
+    path = store.entry(STAGE, key) / CHECKPOINT_DIRNAME
+    try:
+        config = parsed[0] if parsed else read_drafter_config(path, tokenizer=target_tokenizer(target_dir))
+    except DrafterError as e:
+        raise CheckpointError(f"drafter {source}: {e}") from None
+    checkpoint = Checkpoint(key=key, path=str(path), source=source, step=record.step, config=config,
+                            layout=record.layout, config_source=record.config_source,
                             fetched_by_this_run=outcome.computed)
     return checkpoint if outcome.computed else cached(checkpoint)
 
 
-def _export_payload(destination: Path) -> str:
+def _export_payload(destination: Path, config: DrafterConfig) -> str:
     """Write the drafter weights of destination/training_state.pt as model.safetensors and drop the
     payload (its optimizer state has no place in the store); returns where the weights were."""
-    raw = json.loads((destination / CONFIG).read_text())
     try:
-        # the mask token shapes no weight: a placeholder id spares resolving a string one without the target
-        config = DrafterConfig.from_dict(raw, str(destination / CONFIG), mask_token_id=0)
         where = export_drafter_weights(destination / TRAINING_STATE, config, destination / SINGLE_FILE)
     except DrafterError as e:
         raise CheckpointError(f"{TRAINING_STATE}: {e}") from None

@@ -14,7 +14,7 @@ import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -66,6 +66,12 @@ def load_prompts(prompts: str, target_dir: str, thinking: bool = False) -> list[
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     return read_prompts(resolve_prompts(prompts), tokenizer, thinking=thinking,
                         vocab_size=read_target_config(target_dir).vocab_size)
+
+
+def references_here(store: Store, refs: ReferenceSet) -> ReferenceSet:
+    """`refs` as this machine holds them: its entry folder found through the store (on a Dask worker, the
+    worker's own copy of a store on object storage)."""
+    return replace(refs, path=str(store.local_entry(STAGE, refs.key)))
 
 
 def load_references(refs: ReferenceSet) -> list[ReferenceItem]:
@@ -161,7 +167,7 @@ def generate_references(
     target_dir: str,
     prompts_source: str,
     max_new_tokens: int,
-    store_root: str,
+    store_location: str,
     reference: str = "local",
     lookahead: int = 0,
     dtype: str = "float32",
@@ -176,7 +182,7 @@ def generate_references(
     each completion's end, so its last decode step is scored against a whole block.
     reference_api_key_file: a file holding the server's API key (else $DFLASH_REFERENCE_API_KEY);
     the key is sent, never part of the references' key."""
-    store = Store(store_root)
+    store = Store(store_location)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = read_prompts(resolve_prompts(prompts_source), tokenizer, thinking=thinking,
                            vocab_size=read_target_config(target_dir).vocab_size)

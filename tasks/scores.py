@@ -31,9 +31,9 @@ class Scores:
 
 
 @task(name="scores", cache_policy=NONE, persist_result=False)
-def score(drafts: Drafts, refs: ReferenceSet, store_root: str, refresh: bool = False):
+def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool = False):
     """Summarize the drafts stage's acceptance lengths (see dflash_core.metrics)."""
-    store = Store(store_root)
+    store = Store(store_location)
     key = key_of({"drafts": drafts.key, "scores": SCORES_VERSION})
 
     def compute(entry: Path) -> dict:

@@ -1,6 +1,6 @@
 """What every stage task shares: the store is the cache, and Prefect shows its hits as `Cached`.
 
-Why not Prefect's own result cache (notes/prefect.md): it never checks that what a cached result
+Why not Prefect's own result cache (docs/design.md): it never checks that what a cached result
 points to still exists, so a deleted store entry would come back as a dangling record; its default
 policy never reuses results across flow runs; and its lock files outlive a killed run. Here each task
 asks the store instead, through its one get-or-compute (`Store.get_or_compute`, logged here by

@@ -2,7 +2,8 @@
 
 import torch
 
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, save_drafter
+from dflash_core.drafter import DFlashDrafter, save_drafter
+from dflash_core.drafter_config import DrafterConfig
 
 
 def drafter_config(hidden_size=32, num_layers=2, block_size=4, layer_ids=(0, 1), mask_token_id=1,

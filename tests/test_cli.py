@@ -50,7 +50,7 @@ def test_a_value_outside_the_choices_gets_one_line(command, line):
 def test_the_choices_are_the_constants_the_code_checks_against():
     """The command line builds its choices from dflash_core.choices (no torch): they are the ones the code checks
     against."""
-    from dflash_core.drafter import SLIDING_SEMANTICS
+    from dflash_core.choices import SLIDING_SEMANTICS
     from dflash_core.target import DTYPES as SERVED_DTYPES
     from dflash_core.tiny.target import DEFAULT_STEPS
     from dflash_eval.flows.cli.options import Arch, Dtype, ServedDtype, SlidingSemantics

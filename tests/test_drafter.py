@@ -8,8 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
-from dflash_core.drafter import (DrafterConfig, DrafterConfigWarning, DrafterError, fallback_layer_ids, load_drafter,
-                                 save_drafter)
+from dflash_core.drafter import load_drafter, save_drafter
+from dflash_core.drafter_config import (DrafterConfig, DrafterConfigWarning, DrafterError, fallback_layer_ids,
+                                        read_drafter_config)
 from tests.drafters import drafter_config, random_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -162,6 +163,21 @@ def test_save_load_roundtrip_single_and_sharded(tmp_path):
     torch.manual_seed(8)
     features, block = torch.randn(2, 6, 32), torch.randn(4, 32)
     torch.testing.assert_close(run_block(sharded, features, 5, block), run_block(model, features, 5, block))
+
+
+def test_load_with_a_parsed_config(tmp_path):
+    # a caller that read the config once passes it on; config.json is not read again
+    raw = drafter_config(mask_token_id=3)
+    model = random_drafter(raw, seed=7)
+    save_drafter(model, tmp_path)
+    config = read_drafter_config(tmp_path, mask_token_id=5)
+    (tmp_path / "config.json").unlink()
+    loaded = load_drafter(tmp_path, config=config)
+    assert loaded.cfg is config and loaded.mask_token_id == 5
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, loaded.state_dict()[name]), name
+    with pytest.raises(ValueError, match="belong to read_drafter_config"):
+        load_drafter(tmp_path, config=config, mask_token_id=5)
 
 
 def test_bf16_drafter_runs_and_stays_close():

@@ -214,7 +214,7 @@ def test_without_rollback_hybrid_decoding_goes_wrong(qwen3_5_dirs, monkeypatch):
     (dict(layer_ids=(1, 4)), 4, r"include \[4\], but the target has only 4 layers"),
 ])
 def test_incompatible_drafter_is_refused(qwen3_target, raw_edit, target_layers, message):
-    from dflash_core.drafter import DrafterError
+    from dflash_core.drafter_config import DrafterError
 
     raw = drafter_config(**{**dict(hidden_size=64, layer_ids=(1, 2), mask_token_id=0), **raw_edit})
     drafter = random_drafter(raw)
@@ -231,7 +231,7 @@ def test_prompt_longer_than_context_is_refused(qwen3_target):
 
 
 def test_replay_refuses_mismatched_inputs(qwen3_target):
-    from dflash_core.drafter import DrafterError
+    from dflash_core.drafter_config import DrafterError
 
     refs = [Reference(3, [5, 6, 7, 8, 9])]
     feats = extract_features(qwen3_target, [r.token_ids for r in refs], [1, 2])

@@ -160,9 +160,10 @@ def test_a_specforge_step_without_any_config_asks_for_one(saves, tmp_path, prefe
     assert not (tmp_path / "store").exists()
 
 
-def fetch(*args, **kwargs):
-    """The fetch task's function: its Checkpoint, or the CheckpointError its Failed state carries."""
-    outcome = fetch_checkpoint.fn(*args, **kwargs)
+def fetch(saves, source: str, store: str, **kwargs):
+    """The fetch task's function (for the tiny target): its Checkpoint, or the CheckpointError its Failed state
+    carries."""
+    outcome = fetch_checkpoint.fn(source, store, str(saves["tiny"].target_dir), **kwargs)
     return outcome.result() if isinstance(outcome, State) else outcome
 
 
@@ -176,7 +177,7 @@ def specforge_step(tmp_path: Path, payload) -> Path:
 def test_a_payload_with_python_objects_is_refused_with_how_to_export(saves, tmp_path):
     step = specforge_step(tmp_path, {"draft_state_dict": {}, "args": argparse.Namespace(lr=1e-4)})
     with pytest.raises(CheckpointError, match=r"not loaded.*specforge\.export\.to_hf"):
-        fetch(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+        fetch(saves, str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
     assert Store(tmp_path / "store").keys("fetch") == []
 
 
@@ -189,7 +190,7 @@ def test_a_pickle_that_would_run_code_is_never_executed(saves, tmp_path):
     _Exploit.marker = tmp_path / "pwned"
     step = specforge_step(tmp_path, {"draft_state_dict": _Exploit()})  # its pickle calls os.system when loaded
     with pytest.raises(CheckpointError, match="not loaded"):
-        fetch(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+        fetch(saves, str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
     assert not _Exploit.marker.exists()
 
 
@@ -200,7 +201,7 @@ def test_weights_found_by_structure_wherever_the_trainer_put_them(saves, tmp_pat
     nested = {"model": {f"draft_model.{k}": v for k, v in exported.items()} | {"target.lm_head.weight": torch.zeros(1)},
               "global_step": 10}
     step = specforge_step(tmp_path, nested)
-    checkpoint = fetch(str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+    checkpoint = fetch(saves, str(step), str(tmp_path / "store"), drafter_config=str(saves["config"]))
     held = load_file(Path(checkpoint.path) / "model.safetensors")
     assert held.keys() == exported.keys() and all(torch.equal(held[k], exported[k]) for k in held)
     assert Store(tmp_path / "store").read_record("fetch", checkpoint.key)["weights_from"] == \
@@ -210,4 +211,4 @@ def test_weights_found_by_structure_wherever_the_trainer_put_them(saves, tmp_pat
     other.mkdir()
     wrong = specforge_step(other, {"draft_state_dict": {k: v for k, v in exported.items() if k != "norm.weight"}})
     with pytest.raises(CheckpointError, match="no drafter weights found"):
-        fetch(str(wrong), str(tmp_path / "store"), drafter_config=str(saves["config"]))
+        fetch(saves, str(wrong), str(tmp_path / "store"), drafter_config=str(saves["config"]))

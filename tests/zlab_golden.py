@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_core.drafter import DFlashDrafter, DrafterConfig, save_drafter
+from dflash_core.drafter import DFlashDrafter, save_drafter
+from dflash_core.drafter_config import DrafterConfig
 from tests.drafters import drafter_config
 
 GOLDEN = Path(__file__).parent / "golden" / "zlab_drafter_forward.json"

@@ -33,6 +33,7 @@ the backend's identity: the same model behind a key gives the same references.
 
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -120,7 +121,7 @@ class LocalBackend:
         return Completion(ids[len(prompt_ids):])
 
 
-class HTTPBackend:
+class HTTPBackend(ABC):
     """What the server backends share: the connection pool (one session, which carries the API key
     if there is one, for every request), retries, and the tokenizer check.
 
@@ -182,9 +183,14 @@ class HTTPBackend:
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             return Completion(ids, verified=self.tokenizer.decode(ids) == text)
 
+    @abstractmethod
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> Completion:
+        """The server's greedy completion of prompt_ids (each kind of server has its own request)."""
+
     def tokenize(self, text: str) -> list[int]:
         """The server's own tokenization of text, without special tokens (SGLang and vLLM: POST /tokenize)."""
-        return [int(t) for t in self.request("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})["tokens"]]
+        answer = self.request("POST", "/tokenize", {"prompt": text, "add_special_tokens": False})
+        return [int(t) for t in answer["tokens"]]
 
     def check_matches(self, vocab_size: int) -> None:
         """Refuse a server whose tokenizer differs from the target's (a probe prompt's ids).
@@ -316,6 +322,8 @@ def open_backend(spec: str, tokenizer, api_key_file: str | None = None, **http_o
     """The server backend for a --reference spec other than local, sending the API key of
     api_key_file (else $DFLASH_REFERENCE_API_KEY) if there is one."""
     scheme, url = parse_reference(spec)
+    if url is None:
+        raise ValueError(f"--reference {spec}: the local reference has no server backend")
     backend = {"sglang": SGLangBackend, "openai": OpenAIBackend}[scheme]
     return backend(url, tokenizer, api_key=reference_api_key(api_key_file), **http_options)
 

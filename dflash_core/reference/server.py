@@ -8,69 +8,9 @@ so it is bit-identical to a local greedy run in the same dtype and device. Stop 
 target's eos ids (`read_target_config(target_dir).eos_token_ids`) plus the request's
 `stop_token_ids`. Only greedy decoding is served: a request whose sampling is not greedy gets 400.
 
-Facts about the real servers this follows (stored public sources; "SGLang" = sgl-project/sglang,
-"vLLM" = vllm-project/vllm):
-
-- SGLang `/generate` request (`python/sglang/srt/managers/io_struct.py` GenerateReqInput): one of
-  `text` or `input_ids` (a list of them is a batch), `sampling_params`, `return_logprob`,
-  `return_text_in_logprobs`. Text is tokenized with `tokenizer.encode(text)` (special tokens added).
-- SGLang sampling params (`python/sglang/srt/sampling/sampling_params.py`): `max_new_tokens`
-  default 128, `temperature` default 1.0 (so a client MUST send 0 for greedy), `top_k == 1` or
-  `temperature < 1e-6` is greedy, `stop_token_ids`, `ignore_eos` (it disables eos AND
-  `stop_token_ids`: both are checked under `if not ignore_eos`, `managers/schedule_batch.py`
-  `Req.check_finished`), `skip_special_tokens` default True, `no_stop_trim` default False.
-- SGLang `/generate` response (`managers/tokenizer_manager.py` `_handle_batch_output`, tokenizer
-  initialised server): `{"text", "output_ids", "meta_info"}`. `output_ids` are the COMPLETION ids
-  only, the matched stop/eos token included (`detokenizer_manager.py` passes the untrimmed
-  `decode_ids`; only the text is trimmed by `trim_matched_stop`). Older releases (whose BatchStrOut
-  had no ids) sent only text + meta_info. `meta_info` holds `id`, `finish_reason`, `prompt_tokens`,
-  `completion_tokens`, `cached_tokens`, `e2e_latency`, ...; `finish_reason` is
-  `{"type": "stop", "matched": <token id>}` or `{"type": "length", "length": <max_new_tokens>}`
-  (`schedule_batch.py` FINISH_MATCHED_TOKEN / FINISH_LENGTH). The length check runs first: a stop
-  token emitted as the last allowed token reports "length". With `return_logprob`,
-  `meta_info["output_token_logprobs"]` is a list of `[logprob, token_id, text-or-null]`
-  (`detokenize_logprob_tokens`; text only with `return_text_in_logprobs`).
-- SGLang errors: `{"error": {"message": ...}}` with HTTP 400 (`entrypoints/http_server.py`
-  `_create_error_response`). `GET /health` is an empty 200. `GET /get_model_info` (newer:
-  `/model_info`) returns `model_path`, `tokenizer_path`, `is_generation`,
-  `preferred_sampling_params` (+ `weight_version`, `model_type`, `architectures` in newer ones).
-- Tokenizer endpoints: SGLang `POST /tokenize` = `/v1/tokenize` (`entrypoints/openai/
-  serving_tokenize.py`): `{"prompt": str | [str], "add_special_tokens": true}` ->
-  `{"tokens", "count", "max_model_len"}`; `/detokenize` `{"tokens"}` -> `{"text"}`. vLLM `POST
-  /tokenize` (`vllm/entrypoints/openai/protocol.py` TokenizeCompletionRequest/TokenizeResponse):
-  `{"model", "prompt", "add_special_tokens"}` -> `{"count", "max_model_len", "tokens",
-  "token_strs"}`; `/detokenize` `{"tokens"}` -> `{"prompt"}`; opt-in `GET /tokenizer_info`
-  (`--enable-tokenizer-info-endpoint`) returns the tokenizer config with `tokenizer_class`. No
-  endpoint of either server reports the model's vocabulary size; `/tokenize` shows the tokenizer.
-- vLLM `/v1/completions` (`vllm/entrypoints/openai/engine/protocol.py` CompletionRequest,
-  `completion/serving.py`): `prompt` is str | [int] | [str] | [[int]]; `max_tokens` default 16;
-  `temperature` default None -> 1.0 (or the model's generation config); `stop_token_ids`,
-  `ignore_eos` (drops eos only), `logprobs` (int), `return_token_ids` (then each choice carries
-  `token_ids` = completion ids with the stop token, and `prompt_token_ids`), `skip_special_tokens`.
-  Response: `id` "cmpl-...", `object` "text_completion", `created`, `model`, `choices[{index, text,
-  logprobs, finish_reason "stop"|"length", stop_reason (the stop token id, null for eos),
-  token_ids, prompt_token_ids}]`, `usage{prompt_tokens, completion_tokens, total_tokens}`. The text
-  leaves out the stop token (`v1/engine/detokenizer.py` skips it but keeps it in `token_ids`).
-  Current vLLM checks stop tokens before the length cap (older v1 checked length first).
-- vLLM `/v1/models`: `{"object": "list", "data": [{id, object "model", created, owned_by, root,
-  parent, max_model_len, permission}]}`; an unknown `model` gets 404 `NotFoundError`. vLLM errors
-  are `{"error": {"message", "type", "param", "code"}}`.
-- SGLang `/v1/completions` (`entrypoints/openai/serving_completions.py`, `protocol.py`
-  CompletionResponseChoice): each choice is `{index, text, logprobs, finish_reason, matched_stop}`,
-  where `finish_reason` is the `/generate` finish type ("stop" | "length", the length checked first)
-  and `matched_stop` its `matched` (the stop token id, eos included; a stop string; null after
-  "length"). No `stop_reason`, no token ids (`return_token_ids` is not a field: ignored). As on
-  `/generate`, `ignore_eos` drops `stop_token_ids` too, the text leaves the stop token out unless
-  `no_stop_trim`.
-- API keys. SGLang `--api-key` (`add_api_key_middleware`, installed by `entrypoints/http_server.py`;
-  `srt/utils.py`, newer releases `srt/utils/auth.py`): a middleware before routing lets through
-  OPTIONS and every path starting with `/health` or `/metrics` (so `/health_generate` too); any other
-  request, unknown paths included, without `Authorization: Bearer <key>` gets 401 with the body
-  `{"error": "Unauthorized"}` (a string, unlike SGLang's other errors). Newer releases take the
-  scheme in any case, compare in constant time, and add `--admin-api-key` for admin routes (403).
-  vLLM `--api-key` (or `VLLM_API_KEY`; `entrypoints/openai/api_server.py`): the same header and the
-  same 401 body; older releases guard only paths under `/v1` (`/tokenize` stays open), newer ones
-  every route but `/health`, `/ping`, `/load`, `/version`, `/metrics` and the API docs.
+What SGLang and vLLM take and answer, which this server follows point by point, with the source file
+each fact comes from: docs/reference-servers.md, "Wire formats we follow". Reading and checking the
+fields of a request: `request_fields`.
 
 Endpoints here: GET /health, /health_generate, /get_model_info (= /model_info), /get_server_info
 (a small subset of SGLang's), /v1/models, /tokenizer_info; POST (SGLang also PUT) /generate,
@@ -78,14 +18,14 @@ Endpoints here: GET /health, /health_generate, /get_model_info (= /model_info), 
 and "prompt").
 
 This server: errors are `{"error": {"message", "type", "param", "code"}}` (a superset of
-SGLang's); unknown paths 404. `openai_style="sglang"` answers `/v1/completions` as SGLang does
-(above); the default is vLLM's. With `api_key` it checks the key as SGLang does (constant-time),
+SGLang's); unknown paths 404. `openai_style="sglang"` answers `/v1/completions` as SGLang does;
+the default is vLLM's. With `api_key` it checks the key as SGLang does (constant-time),
 before anything else: a refused request is neither routed nor counted in `requests_served`.
 It does not stream, batch or sample; parameters that would change the output and that it does not
-implement (stop strings, penalties, n > 1, grammars, ...) get 400
-rather than being ignored. Stops are the target config's eos ids (what local greedy runs use);
-real servers also stop on the tokenizer's eos id, which is normally among them. Text prompts are encoded with the served tokenizer (which
-`tokenizer_dir` may make a different one from the target's). Logprobs come from one
+implement (stop strings, penalties, n > 1, grammars, ...) get 400 rather than being ignored. Stops
+are the target config's eos ids (what local greedy runs use); real servers also stop on the
+tokenizer's eos id, which is normally among them. Text prompts are encoded with the served tokenizer
+(which `tokenizer_dir` may make a different one from the target's). Logprobs come from one
 teacher-forced forward over prompt + completion.
 
 Fault injection (generation requests only, one fault each, in order): put "drop" (close the
@@ -103,134 +43,33 @@ import queue
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, ClassVar, Self
 
 import torch
 import torch.nn.functional as F
 
 from ..decoding import greedy_decode
 from ..target import DTYPES, load_target, read_target_config
+from .request_fields import (
+    RequestError,
+    check_greedy,
+    check_supported,
+    is_int,
+    read_flag,
+    read_max_tokens,
+    read_stop_token_ids,
+    read_token_ids,
+)
 
 logger = logging.getLogger(__name__)
 
 FAULTS = ("drop", "500", "stall")
 OPENAI_STYLES = ("vllm", "sglang")
 OPEN_PATHS = ("/health", "/metrics")  # SGLang: reachable without the API key (path prefixes)
-GREEDY_EPS = 1e-6  # SGLang: temperature below this is greedy (vLLM's threshold is 1e-5)
 SERVER_VERSION = "dflash-eval-reference"
-
-# Parameters that change the output, with the values under which they do not: anything else is
-# refused (this server implements none of them).
-_NEUTRAL = {
-    "n": (None, 1),
-    "stream": (None, False),
-    "stop": (None, "", []),
-    "stop_regex": (None, "", []),
-    "min_new_tokens": (None, 0),
-    "min_tokens": (None, 0),
-    "frequency_penalty": (None, 0, 0.0),
-    "presence_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "regex": (None,),
-    "json_schema": (None,),
-    "ebnf": (None,),
-    "structural_tag": (None,),
-    "response_format": (None,),
-    "structured_outputs": (None,),
-    "allowed_token_ids": (None,),
-    "use_beam_search": (None, False),
-    "best_of": (None, 1),
-    "echo": (None, False),
-    "suffix": (None, ""),
-    "prompt_logprobs": (None,),
-    "top_logprobs_num": (None, 0),
-    "token_ids_logprob": (None,),
-    "input_embeds": (None,),
-    "prompt_embeds": (None,),
-    "image_data": (None,),
-}
-
-
-class RequestError(Exception):
-    """An error answered to the client as {"error": {...}} with an HTTP status."""
-
-    def __init__(self, message: str, status: int = 400, type_: str = "BadRequestError", param: str | None = None):
-        super().__init__(message)
-        self.status, self.type, self.param = status, type_, param
-
-    def body(self) -> dict:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.status}}
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _token_ids(value, name: str) -> list[int]:
-    if not isinstance(value, list) or not value or not all(_is_int(t) for t in value):
-        raise RequestError(f"{name} must be a non-empty list of integer token ids", param=name)
-    return list(value)
-
-
-def _flag(params: dict, name: str, default: bool) -> bool:
-    value = params.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(f"{name} must be true or false, got {value!r}", param=name)
-    return value
-
-
-def _is_neutral(value, neutral) -> bool:
-    return any(value is v or (type(value) is type(v) and value == v) for v in neutral)
-
-
-def _check_supported(params: dict) -> None:
-    for name, neutral in _NEUTRAL.items():
-        if name in params and not _is_neutral(params[name], neutral):
-            raise RequestError(f"{name}={params[name]!r} is not supported by this reference server "
-                               "(it serves plain greedy decoding only)", param=name)
-
-
-def _check_greedy(params: dict) -> None:
-    """Greedy iff temperature < 1e-6 or top_k == 1 (both servers); an absent temperature is the
-    servers' default 1.0, i.e. sampling."""
-    temperature, top_k = params.get("temperature"), params.get("top_k")
-    if temperature is not None and not _is_number(temperature):
-        raise RequestError(f"temperature must be a number, got {temperature!r}", param="temperature")
-    if top_k is not None and not _is_int(top_k):
-        raise RequestError(f"top_k must be an integer, got {top_k!r}", param="top_k")
-    if temperature is not None and temperature < 0:
-        raise RequestError(f"temperature must be non-negative, got {temperature}", param="temperature")
-    if top_k == 1 or (temperature is not None and temperature < GREEDY_EPS):
-        return
-    got = ("the request sets no temperature, and SGLang and vLLM then default to 1.0, i.e. sampling"
-           if temperature is None else f"got temperature={temperature}")
-    raise RequestError(f"this reference server only does greedy decoding: send temperature 0 ({got})",
-                       param="temperature")
-
-
-def _max_tokens(value, name: str, default: int | None) -> int | None:
-    if value is None:
-        return default
-    if not _is_int(value) or value < 0:
-        raise RequestError(f"{name} must be a non-negative integer, got {value!r}", param=name)
-    return value
-
-
-def _stop_token_ids(value) -> list[int]:
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
-        raise RequestError(f"stop_token_ids must be a list of integer token ids, got {value!r}", param="stop_token_ids")
-    return list(value)
-
 
 class ReferenceServer:
     """Serves `target_dir`'s greedy completions over HTTP (see the module docstring).
@@ -287,6 +126,8 @@ class ReferenceServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
+        if isinstance(host, bytes):  # the address of an AF_UNIX socket; this server binds TCP
+            host = host.decode()
         return f"http://{host}:{port}"
 
     @property
@@ -299,7 +140,7 @@ class ReferenceServer:
         with self._lock:
             return self._requests_served
 
-    def start(self) -> "ReferenceServer":
+    def start(self) -> Self:
         if self._thread is None:
             self._serving = True
             self._thread = threading.Thread(target=self._httpd.serve_forever, name="reference-server", daemon=True)
@@ -324,7 +165,7 @@ class ReferenceServer:
             self._thread = None
         self._httpd.server_close()
 
-    def __enter__(self) -> "ReferenceServer":
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -357,7 +198,9 @@ class ReferenceServer:
 
     def _decode(self, ids, skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
-            return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            text = self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        assert isinstance(text, str), "one sequence of ids decodes to one string"
+        return text
 
     def _generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> list[int]:
         """Completion ids (the stop token kept) of greedy decoding."""
@@ -377,7 +220,7 @@ class ReferenceServer:
         if not completion:
             return torch.empty(0, self.target.vocab_size)
         ids = torch.tensor([prompt_ids + completion[:-1]])
-        logits = self.target.forward(ids).logits[0, len(prompt_ids) - 1:]
+        logits = self.target.forward(ids).require_logits()[0, len(prompt_ids) - 1:]
         return F.log_softmax(logits.float(), dim=-1).cpu()
 
     def _max_model_len(self) -> int:
@@ -435,25 +278,26 @@ class ReferenceServer:
     def tokenize(self, body: dict) -> dict:
         self._check_model(body.get("model"))
         prompt = body.get("prompt")
-        add_special = _flag(body, "add_special_tokens", True)
+        add_special = read_flag(body, "add_special_tokens", True)
         if isinstance(prompt, str):
             tokens = self._encode(prompt, add_special)
-            result = {"tokens": tokens, "count": len(tokens), "max_model_len": self._max_model_len()}
-            if _flag(body, "return_token_strs", False):
+            result: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": self._max_model_len()}
+            if read_flag(body, "return_token_strs", False):
                 with self._tokenizer_lock:
                     result["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
             return result
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            tokens = [self._encode(p, add_special) for p in prompt]
-            return {"tokens": tokens, "count": [len(t) for t in tokens], "max_model_len": self._max_model_len()}
+            token_lists = [self._encode(p, add_special) for p in prompt]
+            return {"tokens": token_lists, "count": [len(t) for t in token_lists],
+                    "max_model_len": self._max_model_len()}
         raise RequestError("prompt must be a string or a non-empty list of strings", param="prompt")
 
     def detokenize(self, body: dict) -> dict:
         self._check_model(body.get("model"))
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+        if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
             raise RequestError("tokens must be a list of integer token ids", param="tokens")
-        text = self._decode(tokens, _flag(body, "skip_special_tokens", True))
+        text = self._decode(tokens, read_flag(body, "skip_special_tokens", True))
         return {"text": text, "prompt": text}  # SGLang's key and vLLM's
 
     def generate(self, body: dict) -> dict:
@@ -468,17 +312,17 @@ class ReferenceServer:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise RequestError("sampling_params must be an object", param="sampling_params")
-        _check_supported(body)
-        _check_supported(params)
-        _check_greedy(params)
-        max_new = _max_tokens(params.get("max_new_tokens"), "max_new_tokens", 128)
-        stop_ids = _stop_token_ids(params.get("stop_token_ids"))
-        ignore_eos = _flag(params, "ignore_eos", False)
-        skip_special = _flag(params, "skip_special_tokens", True)
-        no_stop_trim = _flag(params, "no_stop_trim", False)
-        return_logprob = _flag(body, "return_logprob", False)
-        text_in_logprobs = _flag(body, "return_text_in_logprobs", False)
-        prompt_ids = self._encode(text) if text is not None else _token_ids(input_ids, "input_ids")
+        check_supported(body)
+        check_supported(params)
+        check_greedy(params)
+        max_new = read_max_tokens(params.get("max_new_tokens"), "max_new_tokens", 128)
+        stop_ids = read_stop_token_ids(params.get("stop_token_ids"))
+        ignore_eos = read_flag(params, "ignore_eos", False)
+        skip_special = read_flag(params, "skip_special_tokens", True)
+        no_stop_trim = read_flag(params, "no_stop_trim", False)
+        return_logprob = read_flag(body, "return_logprob", False)
+        text_in_logprobs = read_flag(body, "return_text_in_logprobs", False)
+        prompt_ids = self._encode(text) if text is not None else read_token_ids(input_ids, "input_ids")
 
         start = time.monotonic()
         # SGLang checks eos and stop_token_ids only when not ignore_eos.
@@ -506,7 +350,7 @@ class ReferenceServer:
                 [float(logprobs[i, t]), t, self._decode([t], False) if text_in_logprobs else None]
                 for i, t in enumerate(completion)
             ]
-        out = {"text": self._decode(text_ids, skip_special)}
+        out: dict[str, Any] = {"text": self._decode(text_ids, skip_special)}
         if self.return_token_ids_supported:
             out["output_ids"] = completion
         out["meta_info"] = meta
@@ -515,16 +359,16 @@ class ReferenceServer:
     def completions(self, body: dict) -> dict:
         """OpenAI /v1/completions as vLLM serves it, one prompt."""
         self._check_model(body.get("model"))
-        _check_supported(body)
-        _check_greedy(body)
+        check_supported(body)
+        check_greedy(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt must not be empty", param="prompt")
-            prompt_ids = self._encode(prompt, _flag(body, "add_special_tokens", True))
-        elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+            prompt_ids = self._encode(prompt, read_flag(body, "add_special_tokens", True))
+        elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             prompt_ids = list(prompt)
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise RequestError("batch requests are not supported by this reference server: send one prompt per request",
@@ -533,14 +377,14 @@ class ReferenceServer:
             raise RequestError("prompt must be a string or a non-empty list of token ids", param="prompt")
         # vLLM: max_tokens defaults to 16; an explicit null means "up to the end of the context".
         up_to_context = max(self.target.max_positions - len(prompt_ids), 0) if self.target.max_positions else 16
-        max_new = _max_tokens(body.get("max_tokens", 16), "max_tokens", up_to_context)
-        stop_ids = _stop_token_ids(body.get("stop_token_ids"))
-        ignore_eos = _flag(body, "ignore_eos", False)
-        skip_special = _flag(body, "skip_special_tokens", True)
-        return_ids = _flag(body, "return_token_ids", False) and self.return_token_ids_supported
-        as_token_ids = _flag(body, "return_tokens_as_token_ids", False)
+        max_new = read_max_tokens(body.get("max_tokens", 16), "max_tokens", up_to_context)
+        stop_ids = read_stop_token_ids(body.get("stop_token_ids"))
+        ignore_eos = read_flag(body, "ignore_eos", False)
+        skip_special = read_flag(body, "skip_special_tokens", True)
+        return_ids = read_flag(body, "return_token_ids", False) and self.return_token_ids_supported
+        as_token_ids = read_flag(body, "return_tokens_as_token_ids", False)
         top = body.get("logprobs")
-        if top is not None and (not _is_int(top) or top < 0):
+        if top is not None and (not is_int(top) or top < 0):
             raise RequestError(f"logprobs must be a non-negative integer, got {top!r}", param="logprobs")
 
         sglang = self.openai_style == "sglang"
@@ -553,7 +397,7 @@ class ReferenceServer:
         if sglang:
             stopped = stopped and len(completion) < max_new
         finish = "stop" if stopped else "length"
-        text_ids = completion[:-1] if stopped and not (sglang and _flag(body, "no_stop_trim", False)) else completion
+        text_ids = completion[:-1] if stopped and not (sglang and read_flag(body, "no_stop_trim", False)) else completion
         choice = {"index": 0, "text": self._decode(text_ids, skip_special), "logprobs": None, "finish_reason": finish}
         if sglang:
             choice["matched_stop"] = completion[-1] if stopped else None
@@ -592,7 +436,8 @@ class ReferenceServer:
             top_logprobs.append(entries)
             offsets.append(offset)
             offset += len(tokens[-1])
-        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": top_logprobs}
+        return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
+                "top_logprobs": top_logprobs}
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -606,21 +451,22 @@ class _Handler(BaseHTTPRequestHandler):
     server_version = SERVER_VERSION
     timeout = 120  # idle keep-alive connections are closed after this
 
-    GET_ROUTES = {
+    GET_ROUTES: ClassVar[dict[str, Callable[[ReferenceServer], dict] | None]] = {
         "/health": None, "/health_generate": None,
         "/get_model_info": ReferenceServer.model_info, "/model_info": ReferenceServer.model_info,
         "/get_server_info": ReferenceServer.server_info, "/server_info": ReferenceServer.server_info,
         "/v1/models": ReferenceServer.models, "/tokenizer_info": ReferenceServer.tokenizer_info,
     }
-    POST_ROUTES = {
+    POST_ROUTES: ClassVar[dict[str, Callable[[ReferenceServer, dict], dict]]] = {
         "/generate": ReferenceServer.generate, "/v1/completions": ReferenceServer.completions,
         "/tokenize": ReferenceServer.tokenize, "/v1/tokenize": ReferenceServer.tokenize,
         "/detokenize": ReferenceServer.detokenize, "/v1/detokenize": ReferenceServer.detokenize,
     }
-    GENERATION = {"/generate", "/v1/completions"}
+    GENERATION: ClassVar[set[str]] = {"/generate", "/v1/completions"}
 
     @property
     def reference(self) -> ReferenceServer:
+        assert isinstance(self.server, _HTTPServer), "every _Handler serves a _HTTPServer"
         return self.server.reference
 
     def log_message(self, format, *args):
@@ -688,10 +534,9 @@ class _Handler(BaseHTTPRequestHandler):
             if fault == "500":
                 return self._error(RequestError("injected fault: internal server error", status=500,
                                                 type_="InternalServerError"))
-            if fault == "stall":
-                if self.reference._stopping.wait(self.reference.stall_seconds):
-                    self.close_connection = True
-                    return
+            if fault == "stall" and self.reference._stopping.wait(self.reference.stall_seconds):
+                self.close_connection = True
+                return
         try:
             try:
                 body = json.loads(raw)

@@ -12,6 +12,9 @@
 `tiny_run(cache_root, settings)` returns a finished build from the cache, keyed by a hash of the
 builder's code and settings, or builds it (into a temporary folder renamed into place when done,
 so an interrupted build never looks finished).
+
+Both take `log` (a line per finished step) and `progress` (how far the long steps are: training the
+target, its greedy references, training the drafter, scoring the saved steps; see training.Progress).
 """
 
 import hashlib
@@ -21,21 +24,22 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 import transformers
 
 from .. import drafter, features, replay
-from . import target as tiny_target, training as drafter_training
 from ..drafter import load_drafter
-from .training import DrafterTrainingSettings, train_drafter
 from ..features import extract_features
 from ..metrics import tau_macro
 from ..replay import Reference
 from ..target import Target
+from . import target as tiny_target
+from . import training as drafter_training
+from .training import DrafterTrainingSettings, Progress, train_drafter
 
 BUILD_RECORD = "build.json"
 
@@ -127,8 +131,10 @@ def _train_prompts(tokenizer, text: str, n: int, length: int, seed: int) -> list
 
 
 @torch.no_grad()
-def _greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int) -> list[list[int]]:
-    """Greedy continuations of equal-length prompts in batches (training data; no padding needed)."""
+def _greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int,
+                  progress: Callable[[int], None] | None = None) -> list[list[int]]:
+    """Greedy continuations of equal-length prompts in batches (training data; no padding needed).
+    `progress` is told the number of prompts done after each batch."""
     out = []
     for i in range(0, len(prompts), 64):
         batch = torch.tensor(prompts[i : i + 64])
@@ -139,6 +145,8 @@ def _greedy_batch(model, prompts: list[list[int]], max_new_tokens: int, eos: int
             if eos in completion:
                 completion = completion[: completion.index(eos) + 1]
             out.append(row[: batch.shape[1]] + completion)
+        if progress:
+            progress(len(out))
     return out
 
 
@@ -150,9 +158,10 @@ def tau_of(drafter_dir: Path, target: Target, references, feats, sliding_semanti
 
 
 def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(),
-               log: Callable[[str], None] | None = print) -> TinyRun:
+               log: Callable[[str], None] | None = print, progress: Progress | None = None) -> TinyRun:
     """Train the tiny target and a drafter run into `out` (see the module docstring)."""
     log = log or (lambda message: None)
+    progress = progress or (lambda what, done, total: None)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
@@ -160,7 +169,8 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
 
     text, corpus_sha256 = tiny_target.build_corpus(settings.corpus_bytes)
     tokenizer = tiny_target.train_tokenizer(text, settings.vocab_size)
-    model, stats = tiny_target.train_target(tokenizer, text, settings.arch, settings.target_steps, settings.seed)
+    model, stats = tiny_target.train_target(tokenizer, text, settings.arch, settings.target_steps, settings.seed,
+                                            progress=progress)
     tiny_target.save_target(model, tokenizer, out / "target")
     if settings.arch == "qwen3_5":
         tiny_target.save_qwen3_5_vlm(model, tokenizer, out / "target_vlm")
@@ -172,11 +182,14 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
     eos = tokenizer.eos_token_id
     mask_token_id = tokenizer.convert_tokens_to_ids(tiny_target.MASK_TOKEN)
     t = time.perf_counter()
+    references = settings.train_prompts + settings.eval_prompts
     train_refs = [Reference(settings.prompt_len, seq) for seq in _greedy_batch(
         model, _train_prompts(tokenizer, text, settings.train_prompts, settings.prompt_len, settings.seed),
-        settings.max_new_tokens, eos)]
+        settings.max_new_tokens, eos, lambda done: progress("greedy references", done, references))]
     eval_prompts = tiny_target.prompt_snippets(tokenizer, text, settings.eval_prompts, settings.prompt_len, settings.seed)
-    eval_refs = [Reference(settings.prompt_len, seq) for seq in _greedy_batch(model, eval_prompts, settings.max_new_tokens, eos)]
+    eval_refs = [Reference(settings.prompt_len, seq) for seq in _greedy_batch(
+        model, eval_prompts, settings.max_new_tokens, eos,
+        lambda done: progress("greedy references", settings.train_prompts + done, references))]
     train_feats = extract_features(target, [r.token_ids for r in train_refs], settings.layer_ids)
     eval_feats = extract_features(target, [r.token_ids for r in eval_refs], settings.layer_ids)
     timings["references_and_features"] = time.perf_counter() - t
@@ -185,10 +198,13 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
     t = time.perf_counter()
     raw = drafter_config(settings, target, mask_token_id)
     saved = train_drafter(raw, target.embed_weight, target.head_weight, train_refs, train_feats,
-                          out / "drafter", settings.drafter_training, log=log)
+                          out / "drafter", settings.drafter_training, log=log, progress=progress)
     timings["drafter"] = time.perf_counter() - t
 
-    taus = {p.name: tau_of(p, target, eval_refs, eval_feats) for p in saved}
+    taus: dict[str, float] = {}
+    for checkpoint in saved:
+        taus[checkpoint.name] = tau_of(checkpoint, target, eval_refs, eval_feats)
+        progress("scoring saved steps", len(taus), len(saved))
     timings["total"] = time.perf_counter() - started
     for name, tau in taus.items():
         log(f"{name}: tau {tau:.2f} (block {settings.block_size}, {len(eval_refs)} held-out prompts)")
@@ -213,14 +229,14 @@ def default_cache_root() -> Path:
 
 
 def tiny_run(cache_root: str | Path, settings: TinyBuildSettings = TinyBuildSettings(),
-             log: Callable[[str], None] | None = print) -> TinyRun:
+             log: Callable[[str], None] | None = print, progress: Progress | None = None) -> TinyRun:
     """The cached build for these settings under cache_root/<key>, built first if missing."""
     final = Path(cache_root) / tiny_run_key(settings)
     if (final / BUILD_RECORD).exists():
         return TinyRun(final, json.loads((final / BUILD_RECORD).read_text()))
     partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    run = build_tiny(partial, settings, log)
+    build_tiny(partial, settings, log, progress)
     try:
         partial.rename(final)
     except OSError:  # another process finished the same build first: use theirs

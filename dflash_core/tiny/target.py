@@ -19,16 +19,22 @@ module builds such a target from text already on the machine:
 Everything is deterministic for a given Python version (the corpus is read
 from its standard library; its sha256 pins it) and machine (float training
 is reproducible on one machine, not bit-identical across CPU kernels).
+
+Why this module is long: these steps are one recipe (over 600 lines in one file); tiny/build.py
+keys its cached run on this module's source, and about 90 lines are the list
+of corpus modules.
 """
 
 import ast
 import functools
 import hashlib
+import itertools
 import random
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +49,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from .training import learning_rate
+from .training import Progress, learning_rate
 
 # Top-level standard library modules the corpus is read from: general-purpose, pure-Python
 # code with docstrings. Modules that later Python versions removed or turned into packages
@@ -210,7 +216,7 @@ def _source_documents(source: str) -> list[str]:
             )
     starts = sorted(set(starts)) + [len(lines)]
     documents = []
-    for begin, end in zip(starts, starts[1:]):
+    for begin, end in itertools.pairwise(starts):
         text = "\n".join(lines[begin:end]).rstrip()
         # A special token inside a document would split it in two once tokenized.
         if text and not any(token in text for token in SPECIAL_TOKENS):
@@ -222,7 +228,7 @@ def _source_documents(source: str) -> list[str]:
 def _stdlib_documents() -> tuple[str, ...]:
     """Documents of all `CORPUS_MODULES` in a fixed shuffled order (parsed once per process)."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    documents = []
+    documents: list[str] = []
     for name in CORPUS_MODULES:
         path = stdlib / name
         if path.is_file():
@@ -310,6 +316,22 @@ def train_tokenizer(text: str, vocab_size: int = 512) -> PreTrainedTokenizerFast
     )
 
 
+def token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    """The id of one token of the vocabulary (`convert_tokens_to_ids` also takes a list, hence its union type)."""
+    found = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise TypeError(f"{token!r} maps to {found!r}, not one token id")
+    return found
+
+
+def _decode(tokenizer: PreTrainedTokenizerFast, ids: list[int]) -> str:
+    """The text of one sequence of ids (`decode` also takes a batch, hence its union type)."""
+    text = tokenizer.decode(ids)
+    if not isinstance(text, str):
+        raise TypeError(f"decoding {ids} gave {type(text).__name__}, not a string")
+    return text
+
+
 def encode_documents(tokenizer: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
     """Token ids of a corpus text as one 1-D int64 tensor, each document followed by the eos id.
 
@@ -337,21 +359,21 @@ def qwen3_config(vocab_size: int, eos_token_id: int, **overrides) -> Qwen3Config
     """Config of the tiny Qwen3 target (1.9M parameters with 512 tokens): 4 layers, hidden 192,
     GQA (6 query heads, 2 key/value heads, head dim 32), an untied lm_head like the larger
     Qwen3 models, 512 positions. `overrides` replace any field."""
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=192,
-        intermediate_size=576,
-        num_hidden_layers=4,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-        tie_word_embeddings=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-        bos_token_id=None,
-    )
+    kwargs: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 192,
+        "intermediate_size": 576,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": False,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "bos_token_id": None,
+    }
     kwargs.update(overrides)
     return Qwen3Config(**kwargs)
 
@@ -366,33 +388,33 @@ def qwen3_5_text_config(vocab_size: int, eos_token_id: int, **overrides) -> Qwen
     Qwen3.5 uses mRoPE: rotary dim = head_dim * partial_rotary_factor = 32 * 0.5 = 16, i.e. 8
     frequencies split 4/2/2 over the time/height/width sections (all equal for text).
     """
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=192,
-        intermediate_size=576,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=32,
-        linear_value_head_dim=32,
-        linear_num_key_heads=3,
-        linear_num_value_heads=6,
-        max_position_embeddings=512,
-        rope_parameters={
+    kwargs: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 192,
+        "intermediate_size": 576,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_num_key_heads": 3,
+        "linear_num_value_heads": 6,
+        "max_position_embeddings": 512,
+        "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.5,
             "mrope_section": [4, 2, 2],
             "mrope_interleaved": True,
         },
-        tie_word_embeddings=False,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id,
-        bos_token_id=None,
-    )
+        "tie_word_embeddings": False,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": eos_token_id,
+        "bos_token_id": None,
+    }
     kwargs.update(overrides)
     return Qwen3_5TextConfig(**kwargs)
 
@@ -419,7 +441,7 @@ def _tenths(values: list[float]) -> list[float]:
     """Means of `values` over ten consecutive, near-equal parts (one part per value if fewer)."""
     parts = min(10, len(values))
     bounds = [round(i * len(values) / parts) for i in range(parts + 1)]
-    return [sum(values[a:b]) / (b - a) for a, b in zip(bounds, bounds[1:])]
+    return [sum(values[a:b]) / (b - a) for a, b in itertools.pairwise(bounds)]
 
 
 def _windows(ids: torch.Tensor, starts: torch.Tensor, length: int) -> torch.Tensor:
@@ -446,6 +468,7 @@ def train_target(
     batch_size: int = 8,
     seq_len: int = 128,
     lr: float = 1e-3,
+    progress: Progress | None = None,
     **config_overrides,
 ) -> tuple[Qwen3ForCausalLM | Qwen3_5ForCausalLM, TrainStats]:
     """Train a tiny float32 target on next-token prediction and return (model in eval mode, stats).
@@ -455,14 +478,14 @@ def train_target(
     windows of `seq_len + 1` tokens from the training part of `text` (see `split_corpus`;
     windows cross document boundaries, so it learns to emit eos and to start a new document
     after one), with AdamW, linear warmup and cosine decay, and gradient clipping. `steps`
-    defaults to `DEFAULT_STEPS[arch]`. Initialisation and windows are fixed by `seed`.
+    defaults to `DEFAULT_STEPS[arch]`. Initialisation and windows are fixed by `seed`. `progress` is told
+    each step done.
     """
+    config: Qwen3Config | Qwen3_5TextConfig
     if arch == "qwen3":
         config = qwen3_config(len(tokenizer), tokenizer.eos_token_id, **config_overrides)
-        model_class = Qwen3ForCausalLM
     elif arch == "qwen3_5":
         config = qwen3_5_text_config(len(tokenizer), tokenizer.eos_token_id, **config_overrides)
-        model_class = Qwen3_5ForCausalLM
     else:
         raise ValueError(f"arch must be 'qwen3' or 'qwen3_5', got {arch!r}")
     if seq_len > config.max_position_embeddings:
@@ -480,7 +503,7 @@ def train_target(
         raise ValueError(f"training text has {len(train_ids)} tokens, fewer than one window of {seq_len + 1}")
 
     torch.manual_seed(seed)
-    model = model_class(config).train()
+    model = (Qwen3ForCausalLM(config) if isinstance(config, Qwen3Config) else Qwen3_5ForCausalLM(config)).train()
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.eos_token_id
     num_params = sum(p.numel() for p in model.parameters())
@@ -508,6 +531,8 @@ def train_target(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
+        if progress:
+            progress("target training", step + 1, steps)
 
     model.eval()
     tail = losses[-max(1, steps // 10) :]
@@ -523,7 +548,8 @@ def train_target(
     return model, stats
 
 
-def prompt_snippets(tokenizer: PreTrainedTokenizerFast, text: str, n: int, length: int, seed: int = 0) -> list[list[int]]:
+def prompt_snippets(tokenizer: PreTrainedTokenizerFast, text: str, n: int, length: int,
+                    seed: int = 0) -> list[list[int]]:
     """`n` held-out prompts of `length` token ids each, deterministic for (text, n, length, seed).
 
     Each prompt is a window of one document from the held-out tail of the corpus (see
@@ -533,7 +559,7 @@ def prompt_snippets(tokenizer: PreTrainedTokenizerFast, text: str, n: int, lengt
     """
     _, held_out_text = split_corpus(text)
     # Line starts are token boundaries: the pre-tokenizer never joins a newline to what follows.
-    ends_line = {i for i in range(len(tokenizer)) if tokenizer.decode([i]).endswith("\n")}
+    ends_line = {i for i in range(len(tokenizer)) if _decode(tokenizer, [i]).endswith("\n")}
     encoded = tokenizer(held_out_text.split(EOS_TOKEN), add_special_tokens=False)["input_ids"]
     candidates = []  # (document index, token offset) of every window that starts a line
     for document_index, ids in enumerate(encoded):
@@ -561,40 +587,40 @@ def save_target(model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, tokenizer: PreTrai
 
 
 def save_qwen3_5_vlm(
-    text_model: Qwen3_5ForCausalLM, tokenizer: PreTrainedTokenizerFast, path, seed: int = 0
+    text_model: Qwen3ForCausalLM | Qwen3_5ForCausalLM, tokenizer: PreTrainedTokenizerFast, path, seed: int = 0
 ) -> Path:
     """Save `text_model`'s weights wrapped as a `Qwen3_5ForConditionalGeneration`, like the
     published Qwen3.5/3.6 checkpoints: keys `model.language_model.*` (identical text weights),
     `model.visual.*` (a tiny randomly initialised vision tower, seeded by `seed`, never trained)
-    and `lm_head.weight`; plus the tokenizer. Returns the path."""
+    and `lm_head.weight`; plus the tokenizer. Returns the path. A Qwen3 model is refused (TypeError)."""
     if not isinstance(text_model, Qwen3_5ForCausalLM):
         raise TypeError(f"text_model must be a Qwen3_5ForCausalLM, got {type(text_model).__name__}")
     text_config = text_model.config
-    vision_config = dict(
-        depth=1,
-        hidden_size=32,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=4,
-        spatial_merge_size=2,
-        temporal_patch_size=2,
-        out_hidden_size=text_config.hidden_size,
-        num_position_embeddings=16,
-    )
-    token_id = tokenizer.convert_tokens_to_ids
+    vision_config = {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 4,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": text_config.hidden_size,
+        "num_position_embeddings": 16,
+    }
     # the published checkpoints' text sub-config names no architecture (the wrapper's does)
     text_dict = {k: v for k, v in text_config.to_dict().items() if k != "architectures"}
     config = Qwen3_5Config(
         text_config=text_dict,
         vision_config=vision_config,
-        image_token_id=token_id("<|image_pad|>"),
-        video_token_id=token_id("<|video_pad|>"),
-        vision_start_token_id=token_id("<|vision_start|>"),
-        vision_end_token_id=token_id("<|vision_end|>"),
+        image_token_id=token_id(tokenizer, "<|image_pad|>"),
+        video_token_id=token_id(tokenizer, "<|video_pad|>"),
+        vision_start_token_id=token_id(tokenizer, "<|vision_start|>"),
+        vision_end_token_id=token_id(tokenizer, "<|vision_end|>"),
         tie_word_embeddings=text_config.tie_word_embeddings,
     )
     torch.manual_seed(seed)
-    vlm = Qwen3_5ForConditionalGeneration(config).to(text_model.dtype).eval()
+    # transformers wraps to() with functools.wraps(nn.Module.to), which mypy reads as the unbound method
+    vlm = Qwen3_5ForConditionalGeneration(config).to(text_model.dtype).eval()  # type: ignore[arg-type]
     with torch.no_grad():
         vlm.model.language_model.load_state_dict(text_model.model.state_dict())
         vlm.lm_head.load_state_dict(text_model.lm_head.state_dict())

@@ -14,15 +14,20 @@ Saves checkpoints at steps like a real run (step_100/, step_200/, ...) in the pu
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..drafter import DFlashDrafter, DrafterConfig, save_drafter
+from ..drafter import DFlashDrafter, save_drafter
+from ..drafter_config import DrafterConfig
 from ..replay import Reference
+
+Progress = Callable[[str, int, int], None]
+"""Told how far a long step of the tiny build is: (the step's name, units done, units in all), e.g.
+("drafter training", 40, 400); called after each unit. The command line draws it as progress bars."""
 
 
 @dataclass(frozen=True)
@@ -108,11 +113,12 @@ def train_drafter(
     settings: DrafterTrainingSettings = DrafterTrainingSettings(),
     sliding_semantics: str = "causal",
     log: Callable[[str], None] | None = print,
+    progress: Progress | None = None,
 ) -> list[Path]:
     """Train a drafter with `raw_config` (a DFlash config.json dict) and save step_N checkpoints.
 
     features[i]: the target's features [K, T_i, H] of reference i for the config's target_layer_ids.
-    Returns the saved checkpoint directories in step order.
+    Returns the saved checkpoint directories in step order. `progress` is told each step done.
     """
     drafter = init_drafter(raw_config, settings.seed, sliding_semantics).train()
     embed = embed_weight.detach().float()
@@ -142,6 +148,8 @@ def train_drafter(
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        if progress:
+            progress("drafter training", step, settings.steps)
         if step % settings.save_every == 0 or step == settings.steps:
             path = out_dir / f"step_{step}"
             save_drafter(drafter, path)

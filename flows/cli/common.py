@@ -1,5 +1,6 @@
-"""What the commands share besides options: one-line errors, thread budgets, token files, results files and
-the report server. Imports neither torch nor Prefect (each helper imports what it needs when called)."""
+"""What the commands share besides options: one-line errors, Prefect's temporary server, thread budgets, token
+files, results files and the report server. Imports neither torch nor Prefect (each helper imports what it needs
+when called)."""
 
 import json
 from pathlib import Path
@@ -15,6 +16,36 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """One line on stderr, and the exit code (2: bad input or a condition the user must fix; nothing half done)."""
     typer.secho(f"error: {message}", err=True, fg="red")
     raise typer.Exit(code)
+
+
+def local_server_needed() -> bool:
+    """Whether flows in this process run against Prefect's temporary local server (no PREFECT_API_URL)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    return not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value()
+
+
+def start_local_server(wait: bool = True) -> None:
+    """Start Prefect's temporary local server for this command's flows (flows/local_server.py), unless
+    PREFECT_API_URL names a server: with `wait`, until it answers, or one line saying why it did not start and
+    what to do (exit 2); without, only its process (a later call waits), so that it starts while this command
+    does other work."""
+    if not local_server_needed():
+        return
+    # imports Prefect's server (~1 s): only to start one
+    from dflash_eval.flows.local_server import LocalServerError, launch_local_server, tie_local_server
+
+    if not wait:
+        launch_local_server()
+        return
+    from rich.console import Console
+
+    try:  # the status line shows on a terminal only
+        with Console(stderr=True).status("starting Prefect's temporary server (the first start after an install "
+                                         "takes a minute)"):
+            tie_local_server()
+    except LocalServerError as e:
+        fail(str(e))
 
 
 def open_store(store: str | None):

@@ -1,5 +1,6 @@
 """Evaluations by hand: `run`, `stage` and `demo`, each a run of the evaluate-checkpoint flow in this process."""
 
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -8,9 +9,9 @@ from typing import Annotated
 
 import typer
 
-from dflash_eval.flows.store_paths import is_storage_full, storage_full_message, store_root
+from dflash_eval.flows.disk_full import is_storage_full, storage_full_message
 
-from .common import configure_threads, fail, write_results
+from .common import configure_threads, fail, open_store, start_local_server, write_results
 from .options import Baseline, ByHand, Drafter, Inputs, Settings, Stage, StoreRoot, Threads, example, option_groups
 
 app = typer.Typer()
@@ -18,34 +19,32 @@ app = typer.Typer()
 
 def evaluate(parameters: dict, temperature: float = 0.0, out: Path | None = None) -> dict:
     """Check the inputs and the results file `out` (one clear error, nothing written), then run the flow with
-    these parameters."""
+    these parameters, handing it the checked inputs."""
     configure_threads(parameters.get("threads"))
-    from dflash_core.drafter import DrafterError
+    from dflash_core.drafter_config import DrafterError
     from dflash_core.reference.backends import BackendError
-    from dflash_eval.flows.checks import InputError, check_out, checked_before_run
-    from dflash_eval.flows.evaluate import check_dask_address, evaluate_checkpoint
+    from dflash_eval.flows.checks import InputError, check_evaluation, check_out
+    from dflash_eval.flows.evaluate import evaluate_checkpoint, evaluation_flow
     from dflash_eval.tasks.fetch import CheckpointError
 
     try:
         check_out(out)
-        check_dask_address(parameters.get("dask_address"))  # a dead scheduler: one message before any work
-        with checked_before_run(evaluate_checkpoint, parameters, temperature):
-            if _local_server_needed():  # after the checks: bad input costs no server start-up
-                from dflash_eval.flows.local_server import tie_local_server  # imports Prefect's server (~1 s): only to start one
-
-                tie_local_server()
-            # errors handled below get one line, so Prefect's console tracebacks of them are left out
-            explained = (InputError, DrafterError, CheckpointError, BackendError)
-            with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
-                    _heartbeats_unless_asked():
-                return evaluate_checkpoint(**parameters)
+        bound = inspect.signature(evaluate_checkpoint.fn).bind(**parameters)
+        bound.apply_defaults()
+        checked = check_evaluation(bound.arguments, temperature)
+        start_local_server()  # after the checks: bad input costs no server start-up
+        # errors handled below get one line, so Prefect's console tracebacks of them are left out
+        explained = (InputError, DrafterError, CheckpointError, BackendError)
+        with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
+                _heartbeats_unless_asked():
+            return evaluation_flow(checked)(**parameters)
     # CheckpointError: fetch refused what it got; BackendError: a reference server failed, refused or changed
     except (InputError, DrafterError, CheckpointError, BackendError) as e:
         fail(str(e))
     except OSError as e:
         if not is_storage_full(e):
             raise
-        fail(storage_full_message(e, store_root(parameters.get("store"))))
+        fail(storage_full_message(e, open_store(parameters.get("store"))))
 
 
 @contextmanager
@@ -61,13 +60,6 @@ def _heartbeats_unless_asked() -> Iterator[None]:
 
     with temporary_settings(updates={PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None}):
         yield
-
-
-def _local_server_needed() -> bool:
-    """Whether flows in this process run against Prefect's temporary local server (no PREFECT_API_URL)."""
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    return not PREFECT_API_URL.value() and PREFECT_SERVER_EPHEMERAL_ENABLED.value()
 
 
 @contextmanager
@@ -192,12 +184,18 @@ def demo(
     from dflash_core.tiny.build import default_cache_root, tiny_run
     from dflash_eval.flows.checks import InputError, check_out
 
+    from .tiny import BuildProgress
+
     try:
         check_out(out, folder=True)
     except InputError as e:
         fail(str(e))
     configure_threads(threads)  # before a first demo trains the tiny models
-    tiny = tiny_run(default_cache_root(), log=typer.echo)
+    # Prefect's temporary server starts meanwhile: its first start after an install takes a while (a minute on a
+    # busy machine) and would otherwise come after the training; the first evaluation waits for it.
+    start_local_server(wait=False)
+    with BuildProgress() as progress:
+        tiny = tiny_run(default_cache_root(), log=typer.echo, progress=progress)
     typer.echo(f"tiny run: {tiny.root}")
     rows = []
     for checkpoint in tiny.drafter_steps:

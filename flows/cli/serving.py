@@ -8,9 +8,8 @@ from typing import Annotated
 import typer
 
 from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, ReportServer, report_url
-from dflash_eval.flows.store_paths import store_root
 
-from .common import bind_report_server, fail, write_results
+from .common import bind_report_server, fail, open_store, start_local_server, write_results
 from .options import Baseline, Inputs, RelayTokenFile, Settings, absolute, example, option_groups
 
 app = typer.Typer()
@@ -58,11 +57,11 @@ def serve(
     if threads is not None:
         parameters["threads"] = threads
     # before the runner: the flow runs' processes copy this one's environment when they start
-    server = (_serve_report_to_runs(store_root(inputs.store) / "report", report_host, report_port)
-              if report_server else None)
+    store = open_store(inputs.store)
+    server = _serve_report_to_runs(store.root / "report", report_host, report_port) if report_server else None
     try:
         serve_deployments(poll_seconds=poll_seconds, target=absolute(inputs.target), prompts=absolute(inputs.prompts),
-                          relay=relay, store=str(Path(inputs.store).resolve()) if inputs.store else None,
+                          relay=relay, store=store.location if inputs.store else None,
                           watch_interval=watch_interval, max_new_tokens=inputs.max_new_tokens, parameters=parameters)
     finally:
         if server is not None:
@@ -100,6 +99,7 @@ def watch(
     server with the deployment (`dflash-eval serve`)."""
     from dflash_eval.flows.watch import watch_relay
 
+    start_local_server()  # no PREFECT_API_URL: Prefect's temporary server, with time for a slow first start
     started = watch_relay(relay=relay, target=absolute(inputs.target), prompts=absolute(inputs.prompts),
                           store=str(Path(inputs.store).resolve()) if inputs.store else None,
                           max_new_tokens=inputs.max_new_tokens, relay_token_file=relay_token_file)

@@ -1,8 +1,9 @@
-"""`tiny build`: the tiny trained target and drafter run (demo, tests, smoke tests)."""
+"""`tiny build`: the tiny trained target and drafter run (demo, tests, smoke tests); BuildProgress draws how far
+a build is (here and in `demo`)."""
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Self
 
 import typer
 
@@ -10,6 +11,40 @@ from .common import configure_threads
 from .options import Arch, Threads, example
 
 app = typer.Typer(help="The tiny trained target and drafter run (demo, tests, smoke tests).", no_args_is_help=True)
+
+
+class BuildProgress:
+    """Progress bars for the long steps of a tiny build (the `progress` that dflash_core.tiny.build takes): one
+    bar per step, added when the step starts and kept when it is done. Used as a context manager around the
+    build; on a terminal the bars move and the build's log lines print above them, elsewhere (a log file) the
+    finished bars print once at the end. Nothing shows when the build is cached."""
+
+    def __init__(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._bars = Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
+                              TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn())
+        self._steps: dict[str, int] = {}  # step -> its bar's TaskID
+
+    def __enter__(self) -> Self:
+        self._bars.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._bars.stop()
+
+    def __call__(self, step: str, done: int, total: int) -> None:
+        """`done` of `total` units of `step` are done."""
+        if step not in self._steps:
+            self._steps[step] = self._bars.add_task(step, total=total)
+        self._bars.update(self._steps[step], completed=done, total=total)
 
 
 @app.command("build", epilog=example("dflash-eval tiny build --out runs/tiny"))
@@ -34,7 +69,8 @@ def tiny_build(
         training = replace(training, steps=drafter_steps)
     if save_every is not None:
         training = replace(training, save_every=save_every)
-    run = build_tiny(out, replace(settings, drafter_training=training), log=typer.echo)
+    with BuildProgress() as progress:
+        run = build_tiny(out, replace(settings, drafter_training=training), log=typer.echo, progress=progress)
     typer.echo(f"\nbuilt in {run.record['timings_s']['total']:.0f} s: target {run.target_dir}, "
                f"drafter run {run.root / 'drafter'}, prompts {run.prompts_file}")
     typer.echo("step      tau")

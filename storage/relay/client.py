@@ -1,4 +1,4 @@
-"""Client of the checkpoint relay (protocol v1, see `dflash_eval.storage.relay.server`).
+"""Client of the checkpoint relay (protocol v1: docs/relay.md, Protocol; the server: `storage/relay/server.py`).
 
     client = RelayClient("http://relay:8470", token=token)
     client.list_checkpoints()                  # [{"path", "step", "total_bytes", "n_files"}, ...]
@@ -105,7 +105,7 @@ def validate_manifest(manifest: Any, source: str) -> dict:
     for i, entry in enumerate(manifest["files"]):
         if not isinstance(entry, dict):
             raise bad(f"files[{i}] is not an object")
-        name = entry.get("name")
+        name: Any = entry.get("name")  # untrusted JSON until check_file_name accepts it
         why = check_file_name(name)
         if why:
             raise bad(f"files[{i}].name {name!r} {why}")
@@ -230,7 +230,7 @@ class RelayClient:
         try:
             return response.json()
         except ValueError as e:
-            raise RelayError(f"{what}: {self.base_url} answered with something that is not JSON ({e})")
+            raise RelayError(f"{what}: {self.base_url} answered with something that is not JSON ({e})") from e
 
     def list_checkpoints(self) -> list[dict]:
         """The relay's settled checkpoints: [{"path", "step", "total_bytes", "n_files"}], sorted by path."""
@@ -342,7 +342,7 @@ class RelayClient:
         except FileNotFoundError:
             pass
         partial.parent.mkdir(parents=True, exist_ok=True)
-        for attempt in range(2):  # a digest mismatch is fetched once more, from scratch
+        for _ in range(2):  # a digest mismatch is fetched once more, from scratch
             if self._fetch_partial(path, name, size, partial, advance) == sha:
                 os.replace(partial, final)
                 return final
@@ -438,6 +438,8 @@ class RelayClient:
                 if failures > self.retries:
                     raise self._download_failed(what, failures, e, have, partial) from e
                 self._sleep(failures)
+        hash_up_to(have)  # a cut download that had, after all, received the whole file
+        return hasher.hexdigest()
 
     def _sleep(self, failures: int) -> None:
         """The wait before resuming a cut download for the `failures`-th time."""
@@ -470,4 +472,4 @@ def _content_range_start(value: str | None) -> int | None:
     return int(match.group(1)) if match else None
 
 
-__all__ = ["RelayClient", "RelayError", "parse_checkpoint_url", "validate_manifest", "check_file_name"]
+__all__ = ["RelayClient", "RelayError", "check_file_name", "parse_checkpoint_url", "validate_manifest"]

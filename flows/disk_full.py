@@ -1,4 +1,4 @@
-"""Where the store is, and what to say when a disk fills up during a run.
+"""What to say when a disk fills up during a run.
 
 Whether the store and output paths can be written is checked before any work (flows/checks.py); a disk
 that fills mid-run gets one message naming what filled and saying that the store is consistent (entries
@@ -21,16 +21,11 @@ def is_storage_full(error: BaseException) -> bool:
     return isinstance(error, OSError) and error.errno in STORAGE_FULL
 
 
-def store_root(store: str | None) -> Path:
-    """The absolute root of the store `--store` names (None: the default, storage.store)."""
-    return Store(store).root.absolute()
-
-
-def storage_full_message(e: OSError, store_root: Path) -> str:
+def storage_full_message(e: OSError, store: Store) -> str:
     """What filled up, and what the store holds now (entries are committed atomically, so it is consistent)."""
     written = e.filename2 or e.filename  # shutil's copies name the destination second
-    entry = newest_incomplete_entry(store_root)
-    place = Path(written) if written else entry or store_root
+    entry = store.newest_incomplete_entry()
+    place = Path(written) if written else entry[2] if entry else store.root
     message = f"{STORAGE_FULL[e.errno]} while writing {place}"
     if e.errno != errno.EFBIG:
         try:
@@ -38,18 +33,8 @@ def storage_full_message(e: OSError, store_root: Path) -> str:
             message += f" ({free / 1e6:.1f} MB free on its filesystem)"
         except (OSError, StopIteration):
             pass
-    resumed = (f"the {entry.parent.parent.name} entry being written ({entry.name[:12]}) is incomplete and the next run "
-               "resumes it" if entry else "the next run resumes where this one stopped")
-    return (f"{message}. The store {store_root} is consistent: every entry completed so far is kept and nothing "
+    resumed = (f"the {entry[0]} entry being written ({entry[1][:12]}) is incomplete and the next run resumes it"
+               if entry else "the next run resumes where this one stopped")
+    return (f"{message}. The store {store.location} is consistent: every entry completed so far is kept and nothing "
             f"incomplete reads as complete; {resumed}. Free some space (or use another --store) and run the same "
             "command again")
-
-
-def newest_incomplete_entry(store_root: Path) -> Path | None:
-    """The most recently created store entry without its completion marker (layout: storage/store.py)."""
-    try:
-        entries = [p for p in store_root.glob("*/*/*") if len(p.name) == 64 and p.is_dir()
-                   and not (p / "entry.json").exists()]
-        return max(entries, key=lambda p: p.stat().st_mtime, default=None)
-    except OSError:
-        return None

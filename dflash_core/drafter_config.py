@@ -1,0 +1,484 @@
+"""A DFlash drafter's config.json: read, validated, and checked against a target.
+
+config.json is a Qwen3 config plus DFlash fields. Every field that changes the drafted tokens is read, or
+refused by name; the fields that do not change them are listed in IGNORED_FIELDS with the reason; any other
+top-level field is warned about (Hugging Face writes many). README.md, "Drafter config fields", is the table
+of all of them.
+
+Read top to bottom: errors, the field tables, DrafterConfig (what the model in drafter.py is built from),
+read_drafter_config, check_compatible, then the validation steps DrafterConfig.from_dict runs in order.
+"""
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn, TypeGuard
+
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+class DrafterError(ValueError):
+    """A drafter checkpoint that cannot be used as it is; the message says what to fix."""
+
+
+class DrafterConfigWarning(UserWarning):
+    """A config.json field read with a choice the user should know about (e.g. two places disagree)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The fields
+
+ARCHITECTURE = "DFlashDraftModel"  # the only architecture whose forward pass drafter.py implements
+
+# Top-level fields read with their Qwen3Config meaning (plus is_causal, as z-lab's reference reads it).
+READ_FIELDS = (
+    "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "hidden_act", "rms_norm_eps", "attention_bias", "vocab_size", "draft_vocab_size",
+    "layer_types", "sliding_window", "use_sliding_window", "max_window_layers", "rope_theta",
+    "rope_scaling", "rope_parameters", "max_position_embeddings", "is_causal", "dflash_config",
+)
+
+# DFlash fields: looked up in dflash_config first, then at the top level (z-lab's reference does the
+# same; older exports put block_size, mask_token_id, ... at the top). dflash_config is a small
+# namespace: a key that is neither here nor in EXTRA_MODULE_FIELDS is refused.
+DFLASH_FIELDS = (
+    "target_layer_ids", "mask_token_id", "mask_token", "block_size", "num_target_layers", "causal",
+    "use_swa", "swa_window_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
+    "attention_sink_bias", "projector_type", "pure_draft_prefix_len", "shift_label",
+)
+
+# Fields that switch on math drafter.py does not implement: refused unless they hold their "off"
+# value (null is always off). name -> (off values, what the field does).
+SWITCHES = {
+    "attention_sink_bias": ((False,), "a learned attention-sink logit in every softmax (MiMo/DSpark drafters)"),
+    "add_swa_attention_sink_bias": ((False,), "a learned attention-sink logit in sliding layers (MiMo)"),
+    "add_full_attention_sink_bias": ((False,), "a learned attention-sink logit in full layers (MiMo)"),
+    "partial_rotary_factor": ((1, 1.0), ("RoPE on part of each head only (MiMo-style drafters); "
+                                         "transformers' Qwen3 RoPE, which z-lab's reference uses, ignores it")),
+    "projector_type": ((), "a logits head on top of the drafter (SpecForge Domino/DSpark)"),
+    "pure_draft_prefix_len": ((0,), "a prefix of the block drafted without the logits head (SpecForge Domino)"),
+    "shift_label": ((False,), "block position k predicting token start+k+1 instead of start+k"),
+    "quantization_config": ((), "quantized weights (dequantize the checkpoint first)"),
+}
+
+# Fields of other architectures' extra modules: refused whenever present (not null).
+EXTRA_MODULE_FIELDS = {
+    "conv_kernel_size": "DFlash2's dynamic convolutions", "conv_group_size": "DFlash2's dynamic convolutions",
+    "selector_rank": "DFlash2's candidate selector", "selector_top_k": "DFlash2's candidate selector",
+    "emb_dim": "Domino's GRU logits head", "gru_hidden_dim": "Domino's GRU logits head",
+    "hybrid_layer_pattern": "MiMo's layer pattern (this loader reads layer_types)",
+    "swa_head_dim": "MiMo's separate sliding-layer shapes", "swa_v_head_dim": "MiMo's separate sliding-layer shapes",
+    "swa_num_attention_heads": "MiMo's separate sliding-layer shapes",
+    "swa_num_key_value_heads": "MiMo's separate sliding-layer shapes",
+    "swa_rope_theta": "MiMo's separate sliding-layer RoPE", "v_head_dim": "value heads of another size than head_dim",
+}
+
+# Top-level fields that do not change the drafted tokens, and why.
+IGNORED_FIELDS = {
+    "model_type": "the architecture decides the forward pass, and every weight is checked by name and shape",
+    "auto_map": "remote code is never run",
+    "dtype": "the caller chooses the compute dtype (load_drafter(dtype=...))",
+    "torch_dtype": "the caller chooses the compute dtype (load_drafter(dtype=...))",
+    "tie_word_embeddings": "the drafter has no embedding or head: the target's are used",
+    "bos_token_id": "the references decide where sequences start and stop",
+    "eos_token_id": "the references decide where sequences start and stop",
+    "pad_token_id": "the references decide where sequences start and stop",
+    "attention_dropout": "dropout is off at inference",
+    "initializer_range": "used only to initialise training",
+    "use_cache": "inference plumbing: the context keys/values are computed once per sequence anyway",
+    "transformers_version": "provenance",
+    "_name_or_path": "provenance",
+    "step": "the training step (dflash-eval history reads it)",
+    "global_step": "the training step (dflash-eval history reads it)",
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# The config
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """A validated drafter config.json: the shapes and settings DFlashDrafter is built from."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    attention_bias: bool
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    layer_ids_from_fallback: bool  # True when the config named no target_layer_ids (often wrong: warned)
+    num_target_layers: int | None
+    vocab_size: int | None
+    layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" per layer
+    sliding_window: int | None
+    rope: Qwen3Config  # only its rope fields are used, through transformers' rope utilities
+    raw: dict[str, Any] = field(compare=False, repr=False)  # config.json as read, written back by save_drafter
+    # None: sliding layers' causality is the caller's choice (sliding_semantics), full layers see the
+    # whole block. True/False: every layer is causal / bidirectional within the block (z-lab's rule).
+    is_causal: bool | None = None
+    input_embedding_scale: float = 1.0  # multiplies the block's (raw) target embeddings, as z-lab does
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json", mask_token_id: int | None = None,
+                  tokenizer: Any = None) -> "DrafterConfig":
+        """Validate a drafter config.json (a Qwen3 config with DFlash fields); `source` names it in errors.
+
+        mask_token_id overrides the config's; `tokenizer` (the target's transformers tokenizer) resolves a
+        dflash_config.mask_token given as a string. Fields that change the math and are not implemented
+        here are refused (DrafterError naming them); unknown top-level fields are warned about.
+        """
+        fields = _Fields(raw, source)
+        _refuse_unimplemented(fields)
+
+        hidden = fields.required("hidden_size")
+        num_layers = fields.required("num_hidden_layers")
+        num_heads = fields.required("num_attention_heads")
+        num_kv_heads = fields.integer("num_key_value_heads", raw.get("num_key_value_heads"), 1) or num_heads
+        head_dim = fields.integer("head_dim", raw.get("head_dim"), 1) or hidden // num_heads
+        if num_heads % num_kv_heads:
+            fields.fail(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+        block_size = fields.dflash("block_size")
+        if not (_is_int(block_size) and block_size >= 2):
+            fields.fail(f"block_size must be an integer >= 2, got {block_size!r}")
+
+        num_target_layers = fields.integer(fields.name("num_target_layers"), fields.dflash("num_target_layers"), 1)
+        layer_ids = fields.dflash("target_layer_ids")
+        from_fallback = layer_ids is None
+        if from_fallback:
+            if num_target_layers is None:
+                fields.fail("neither dflash_config.target_layer_ids nor num_target_layers is set")
+            layer_ids = fallback_layer_ids(num_target_layers, num_layers)
+            warnings.warn(
+                f"{source} names no dflash_config.target_layer_ids; using the training fallback {layer_ids} "
+                f"for {num_target_layers} target layers. It differs from the trained ids in most published "
+                "checkpoints: check it against the training config.",
+                stacklevel=2,
+            )
+        if (not isinstance(layer_ids, (list, tuple)) or not layer_ids
+                or not all(_is_int(i) and i >= 0 for i in layer_ids)):
+            fields.fail(f"target_layer_ids must be a non-empty list of layer indices >= 0, got {layer_ids!r}")
+
+        layer_types, window, is_causal = _attention_layout(fields, num_layers)
+        rope = _rope_config(fields, hidden, num_heads, num_kv_heads, head_dim, num_layers)
+        scale = fields.dflash("input_embedding_scale")
+        if scale is not None and not _is_number(scale):
+            fields.fail(f"{fields.name('input_embedding_scale')} must be a number, got {scale!r}")
+        rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
+        if not (_is_number(rms_norm_eps) and rms_norm_eps > 0):
+            fields.fail(f"rms_norm_eps must be a positive number, got {rms_norm_eps!r}")
+        attention_bias = fields.boolean("attention_bias", raw.get("attention_bias"))
+
+        known = {*READ_FIELDS, *DFLASH_FIELDS, *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            fields.warn(f"fields not read by dflash-eval: {unknown}. If one changes the drafter's math, this "
+                        "score will not match the drafter's own implementation.")
+
+        return cls(
+            hidden_size=hidden, num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads,
+            head_dim=head_dim, intermediate_size=fields.required("intermediate_size"),
+            rms_norm_eps=float(rms_norm_eps), attention_bias=bool(attention_bias),
+            block_size=block_size, mask_token_id=_mask_token_id(fields, mask_token_id, tokenizer),
+            target_layer_ids=tuple(layer_ids), layer_ids_from_fallback=from_fallback,
+            num_target_layers=num_target_layers, vocab_size=raw.get("vocab_size"), layer_types=layer_types,
+            sliding_window=window, rope=rope, raw=raw, is_causal=is_causal,
+            input_embedding_scale=1.0 if scale is None else float(scale),
+        )
+
+
+def read_drafter_config(path: str | Path, mask_token_id: int | None = None, tokenizer: Any = None) -> DrafterConfig:
+    """Parse and validate `path/config.json` of a DFlash drafter checkpoint.
+
+    mask_token_id overrides the config's; tokenizer (the target's, a transformers tokenizer) resolves a
+    dflash_config.mask_token string (see DrafterConfig.from_dict).
+    """
+    config_file = Path(path) / "config.json"
+    if not config_file.exists():
+        raise DrafterError(f"{config_file} does not exist: a drafter checkpoint needs config.json and "
+                           "model.safetensors")
+    try:
+        raw = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise DrafterError(f"{config_file}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    if not isinstance(raw, dict):
+        raise DrafterError(f"{config_file}: expected a JSON object")
+    return DrafterConfig.from_dict(raw, source=str(config_file), mask_token_id=mask_token_id, tokenizer=tokenizer)
+
+
+def check_compatible(cfg: DrafterConfig, hidden_size: int, vocab_size: int, num_layers: int | None = None) -> None:
+    """Refuse a drafter (its config; a loaded one's is `drafter.cfg`) that cannot run on a target of this shape, naming
+    the mismatch. num_layers=None skips the layer-id checks (the features at hand already fix the layers)."""
+    if cfg.hidden_size != hidden_size:
+        raise DrafterError(f"drafter hidden_size {cfg.hidden_size} != target hidden_size {hidden_size}: this drafter "
+                           "was trained for another target")
+    if not 0 <= cfg.mask_token_id < vocab_size:
+        raise DrafterError(f"drafter mask_token_id {cfg.mask_token_id} is outside the target's vocabulary of "
+                           f"{vocab_size} tokens")
+    if cfg.vocab_size is not None and cfg.vocab_size != vocab_size:
+        raise DrafterError(f"drafter vocab_size {cfg.vocab_size} != target vocab_size {vocab_size}: this drafter was "
+                           "trained for another target (its embedding and head are the target's, row for row)")
+    if num_layers is None:
+        return
+    bad = [i for i in cfg.target_layer_ids if i >= num_layers]
+    if bad:
+        raise DrafterError(f"drafter target_layer_ids {list(cfg.target_layer_ids)} include {bad}, but the target has "
+                           f"only {num_layers} layers (0..{num_layers - 1})")
+    if cfg.num_target_layers is not None and cfg.num_target_layers != num_layers:
+        warnings.warn(f"drafter num_target_layers {cfg.num_target_layers} != target layers {num_layers}", stacklevel=2)
+
+
+def fallback_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The layer ids DFlash training uses when a config names none: evenly from 1 to n_target - 3."""
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation: the steps of DrafterConfig.from_dict
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Fields:
+    """config.json as read: the DFlash lookup order, and errors/warnings that name the file."""
+
+    def __init__(self, raw: dict[str, Any], source: str):
+        self.raw, self.source = raw, source
+        self.nested = raw.get("dflash_config") or {}
+        if not isinstance(self.nested, dict):
+            self.fail(f"'dflash_config' must be an object, got {type(self.nested).__name__}")
+
+    def fail(self, message: str) -> NoReturn:
+        raise DrafterError(f"{self.source}: {message}")
+
+    def warn(self, message: str) -> None:
+        warnings.warn(f"{self.source}: {message}", DrafterConfigWarning, stacklevel=3)
+
+    def dflash(self, key: str) -> Any:
+        """dflash_config[key], else the top-level key (null counts as absent); warns when both differ."""
+        nested, top = self.nested.get(key), self.raw.get(key)
+        if nested is not None and top is not None and nested != top:
+            self.warn(f"dflash_config.{key} = {nested!r} and top-level {key} = {top!r} differ; using "
+                      f"dflash_config's, as z-lab's reference and SGLang do")
+        return top if nested is None else nested
+
+    def name(self, key: str) -> str:
+        """Where a DFlash field was found, for messages."""
+        return f"dflash_config.{key}" if self.nested.get(key) is not None else key
+
+    def required(self, key: str) -> int:
+        """The top-level integer field `key` (>= 1), which every drafter config must give."""
+        if key not in self.raw:
+            self.fail(f"missing required field '{key}'")
+        value = self.integer(key, self.raw[key], 1)
+        if value is None:
+            self.fail(f"{key} must be an integer >= 1, got None")
+        return value
+
+    def integer(self, key: str, value: Any, minimum: int) -> int | None:
+        """`value` (read from field `key`), refused unless null or an integer >= minimum."""
+        if value is not None and not (_is_int(value) and value >= minimum):
+            self.fail(f"{key} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def boolean(self, key: str, value: Any) -> bool | None:
+        """`value` (read from field `key`), refused unless null, true or false."""
+        if value is not None and not isinstance(value, bool):
+            self.fail(f"{key} must be true, false or null, got {value!r}")
+        return value
+
+
+def _refuse_unimplemented(fields: _Fields) -> None:
+    """Refuse, by name, every field that asks for math drafter.py does not compute."""
+    raw, nested = fields.raw, fields.nested
+    architectures = raw.get("architectures")
+    if architectures is not None and architectures != [ARCHITECTURE]:
+        fields.fail(f"architectures {architectures!r}: only {ARCHITECTURE} is implemented here (DFlash2DraftModel adds "
+                    "dynamic convolutions and a candidate selector; Domino/DSpark drafters add logits heads). "
+                    "Score this checkpoint with its own reference implementation.")
+    unknown = sorted(set(nested) - set(DFLASH_FIELDS) - set(EXTRA_MODULE_FIELDS))
+    if unknown:
+        fields.fail(f"unknown dflash_config keys {unknown}: each may change the drafter's math, so they are not "
+                    f"ignored. Known keys: {', '.join(DFLASH_FIELDS)}")
+    for key, module in EXTRA_MODULE_FIELDS.items():
+        if nested.get(key) is not None or raw.get(key) is not None:
+            where = f"dflash_config.{key}" if nested.get(key) is not None else key
+            fields.fail(f"{where} configures {module}, which this DFlash implementation does not have: "
+                        "score this checkpoint with its own reference implementation")
+    for key, (off, effect) in SWITCHES.items():
+        value = fields.dflash(key) if key in DFLASH_FIELDS else raw.get(key)
+        if value is not None and value not in off:
+            fields.fail(f"{fields.name(key)} = {value!r} switches on {effect}, which this DFlash implementation does "
+                        f"not compute; the score would be wrong. Supported: {' or '.join(map(repr, off)) or 'absent'}")
+    # SpecForge writes draft_vocab_size into every export; only EAGLE-style drafters shrink it (d2t/t2d maps)
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and draft_vocab != raw.get("vocab_size"):
+        fields.fail(f"draft_vocab_size {draft_vocab!r} != vocab_size {raw.get('vocab_size')!r}: a reduced draft "
+                    "vocabulary (EAGLE-style token maps), which DFlash drafters do not have and this implementation "
+                    "does not compute")
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        fields.fail(f"hidden_act {act!r}: DFlash drafters use SwiGLU ('silu'); this implementation computes nothing "
+                    "else")
+    # Logit transforms z-lab's reference applies before argmax: monotonic ones leave greedy drafts unchanged.
+    multiplier = fields.dflash("output_multiplier")
+    if multiplier is not None and not (_is_number(multiplier) and multiplier > 0):
+        fields.fail(f"{fields.name('output_multiplier')} = {multiplier!r}: only a positive multiplier keeps the "
+                    "greedy draft (argmax) unchanged, and logits are not scaled here")
+    softcap = fields.dflash("final_logit_softcapping")
+    if softcap is not None and not _is_number(softcap):
+        fields.fail(f"{fields.name('final_logit_softcapping')} must be a number or null, got {softcap!r}")
+
+
+def _attention_layout(fields: _Fields, num_layers: int) -> tuple[tuple[str, ...], int | None, bool | None]:
+    """(layer_types, sliding window, is_causal) as z-lab's reference and SGLang read them."""
+    raw = fields.raw
+    use_sliding = fields.boolean("use_sliding_window", raw.get("use_sliding_window"))
+    sliding_window = fields.integer("sliding_window", raw.get("sliding_window"), 1)
+    swa_window = fields.integer(fields.name("swa_window_size"), fields.dflash("swa_window_size"), 1)
+    use_swa = fields.boolean(fields.name("use_swa"), fields.dflash("use_swa"))
+
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        if use_swa:
+            fields.fail(f"{fields.name('use_swa')} is true but the config has no layer_types: which layers use a "
+                        "sliding window is ambiguous (MiMo-style loaders slide every layer, transformers none). "
+                        "Add layer_types ('full_attention'/'sliding_attention' per layer).")
+        # as transformers' Qwen3Config derives them (z-lab's reference and SGLang see these)
+        first_sliding = fields.integer("max_window_layers", raw.get("max_window_layers"), 0)
+        if first_sliding is None:
+            first_sliding = 28  # Qwen3Config's default
+        slides = use_sliding and sliding_window is not None
+        layer_types = ["sliding_attention" if slides and i >= first_sliding else "full_attention"
+                       for i in range(num_layers)]
+    if (not isinstance(layer_types, (list, tuple)) or len(layer_types) != num_layers
+            or not all(t in ("full_attention", "sliding_attention") for t in layer_types)):
+        fields.fail(f"layer_types must list 'full_attention'/'sliding_attention' once per layer ({num_layers}), "
+                    f"got {layer_types!r}")
+    sliding = "sliding_attention" in layer_types
+    if use_swa and not sliding:
+        fields.fail(f"{fields.name('use_swa')} is true but layer_types has no 'sliding_attention' layer: fix one of "
+                    "them")
+
+    window = None
+    if sliding:
+        window = sliding_window if sliding_window is not None else swa_window
+        if window is None:
+            fields.fail("sliding layers need a positive sliding_window (or dflash_config.swa_window_size), got "
+                        f"{sliding_window!r}")
+        if sliding_window is not None and swa_window is not None and swa_window != sliding_window:
+            fields.warn(f"sliding_window {sliding_window} and {fields.name('swa_window_size')} {swa_window} differ; "
+                        "using sliding_window, as SGLang does")
+        if use_sliding is False and sliding_window is not None:
+            fields.warn("use_sliding_window is false, so transformers (and z-lab's reference with it) drops "
+                        f"sliding_window; the sliding layers here use the window {window} from the config, as "
+                        "training did")
+
+    # z-lab's reference: is_causal unset -> sliding layers causal, full ones not; set -> every layer.
+    # SGLang also reads dflash_config.causal when is_causal is unset.
+    is_causal = fields.boolean("is_causal", raw.get("is_causal"))
+    causal = fields.boolean(fields.name("causal"), fields.dflash("causal"))
+    if is_causal is not None and causal is not None and causal != is_causal:
+        fields.warn(f"is_causal {is_causal} and {fields.name('causal')} {causal} differ; using is_causal, as z-lab's "
+                    "reference and SGLang do")
+    return tuple(layer_types), window, causal if is_causal is None else is_causal
+
+
+def _rope_config(fields: _Fields, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 num_layers: int) -> Qwen3Config:
+    """A Qwen3Config holding the rope fields (rope_theta/rope_scaling, or transformers 5's rope_parameters)."""
+    raw = fields.raw
+    names = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
+    rope_fields = {k: raw[k] for k in names if raw.get(k) is not None}
+    parameters, scaling = rope_fields.get("rope_parameters"), rope_fields.get("rope_scaling")
+    for key, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            fields.fail(f"{key} must be an object or null, got {value!r}")
+    # transformers silently prefers rope_parameters when both are given: a disagreement is a broken export
+    if parameters is not None:
+        theta = rope_fields.get("rope_theta")
+        if theta is not None and parameters.get("rope_theta", theta) != theta:
+            fields.fail(f"rope_theta {theta} and rope_parameters.rope_theta {parameters['rope_theta']} differ: "
+                        "keep the one the drafter was trained with")
+        differing = sorted(k for k, v in (scaling or {}).items() if k != "type" and parameters.get(k, v) != v)
+        if differing:
+            fields.fail(f"rope_scaling and rope_parameters differ in {differing}: keep the one the drafter was "
+                        "trained with")
+    for where, settings in (("rope_parameters", parameters), ("rope_scaling", scaling)):
+        factor = (settings or {}).get("partial_rotary_factor")
+        if factor is not None and factor != 1:
+            effect = SWITCHES["partial_rotary_factor"][1]
+            fields.fail(f"{where}.partial_rotary_factor = {factor!r} switches on {effect}, which this DFlash "
+                        "implementation does not compute")
+    try:
+        rope = Qwen3Config(hidden_size=hidden, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                           head_dim=head_dim, num_hidden_layers=num_layers, **rope_fields)
+    except Exception as e:  # noqa: BLE001 -- transformers validates rope types and parameters, raising any kind
+        fields.fail(f"invalid rope settings {rope_fields}: {e}")
+    rope_type = (rope.rope_parameters or {}).get("rope_type", "default")
+    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+        fields.fail(f"invalid rope settings {rope_fields}: unknown rope_type {rope_type!r} "
+                    f"(known: default, {', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+    return rope
+
+
+def _token_of(tokenizer: Any, token: str, fields: _Fields, key: str) -> int:
+    """The id of `token` as ONE token of the target's tokenizer (as SGLang resolves mask_token)."""
+    token_id = tokenizer.get_vocab().get(token)
+    if token_id is None:
+        pieces = tokenizer(token, add_special_tokens=False)["input_ids"]
+        fields.fail(f"{key} {token!r} is not a single token of the target's tokenizer (it encodes to "
+                    f"{len(pieces)} tokens {pieces[:8]}); give dflash_config.mask_token_id, or the tokenizer the "
+                    "drafter was trained with")
+    return token_id
+
+
+def _mask_token_id(fields: _Fields, override: int | None, tokenizer: Any) -> int:
+    """The mask token's id: the caller's override, else dflash_config's id or token string (resolved by tokenizer)."""
+    if override is not None:  # the caller's id (older checkpoints relied on a '<|MASK|>' added at run time)
+        if not (_is_int(override) and override >= 0):
+            raise DrafterError(f"mask_token_id must be an integer >= 0, got {override!r}")
+        return override
+    key = fields.name("mask_token_id")
+    token_id, token = fields.dflash("mask_token_id"), fields.dflash("mask_token")
+    if token_id is not None and not (_is_int(token_id) and token_id >= 0):
+        fields.fail(f"{key} must be an integer >= 0, got {token_id!r}")
+    if token is not None:
+        token_key = fields.name("mask_token")
+        if not isinstance(token, str) or not token:
+            fields.fail(f"{token_key} must be a non-empty token string, got {token!r}")
+        if tokenizer is not None:
+            resolved = _token_of(tokenizer, token, fields, token_key)
+            if token_id is not None and token_id != resolved:
+                fields.fail(f"{key} {token_id} and {token_key} {token!r} disagree: the target's tokenizer gives "
+                            f"{token!r} the id {resolved}. Fix the config (or pass the drafter's tokenizer).")
+            token_id = resolved
+        elif token_id is None:
+            fields.fail(f"{token_key} is the token string {token!r}: its id comes from the target's tokenizer. Pass "
+                        "tokenizer=... (a transformers tokenizer) to load_drafter / read_drafter_config, or add "
+                        "dflash_config.mask_token_id")
+        else:
+            fields.warn(f"{token_key} {token!r} was not checked against a tokenizer (none given); using {key} "
+                        f"{token_id}")
+    if token_id is None:
+        fields.fail("no dflash_config.mask_token_id (nor mask_token); older checkpoints used a '<|MASK|>' token "
+                    "added to the tokenizer: pass its id explicitly (mask_token_id=...)")
+    return token_id
+

@@ -1,0 +1,234 @@
+"""A threading HTTP server (stdlib `http.server`) whose resources stay bounded, whatever clients do.
+
+- `BoundedHTTPServer`: at most `max_connections` connections served at once, `max_per_client` from one
+  client address (an IPv6 /64 counts as one); over either bound the accepting thread itself answers
+  503 with Retry-After and closes the socket once the client's request is read (within
+  LINGER_SECONDS), so threads stay one per served connection.
+- `DeadlineRequestHandler`: a request's line and headers must all arrive within `request_timeout`
+  seconds of the connection being ready for it (just opened, or idle after an answer: keep-alive),
+  however slowly their bytes trickle; a send that makes no progress for `send_timeout` seconds ends
+  the connection.
+
+Why the stdlib and not Starlette/uvicorn: docs/relay.md, Security. Knows nothing of what is served.
+"""
+
+import io
+import ipaddress
+import json
+import logging
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+_log = logging.getLogger(__name__)
+
+
+class ErrorResponse(Exception):
+    """An answer other than success, raised where it is decided: its status, the message a handler puts
+    in its body, and extra headers (e.g. Retry-After)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+class DeadlineReader(io.RawIOBase):
+    """A connection's incoming bytes under a deadline for the whole request (line and headers), not
+    only between two bytes: a client trickling a byte at a time cannot hold its connection."""
+
+    def __init__(self, sock: socket.socket, timeout: float):
+        self.sock = sock
+        self.timeout = timeout  # between two bytes when no deadline is set
+        self.deadline: float | None = None  # time.monotonic() by which the request must be in
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.deadline is None:
+            self.sock.settimeout(self.timeout)
+        else:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the request was not received in time")
+            self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
+class DeadlineRequestHandler(BaseHTTPRequestHandler):
+    """A request handler whose requests must arrive whole within `request_timeout` seconds and whose
+    sends end the connection after `send_timeout` seconds without progress (set both on a subclass)."""
+
+    protocol_version = "HTTP/1.1"  # keep-alive: the deadline is armed again for each next request
+    request_timeout: float = 30
+    send_timeout: float = 60
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.settimeout(self.send_timeout)
+        self.rfile.close()  # replaced by one that enforces the whole-request deadline
+        self._reader = DeadlineReader(self.connection, self.send_timeout)
+        self.rfile = io.BufferedReader(self._reader)
+
+    def handle_one_request(self) -> None:
+        # From now (connected, or done with the last answer) the next request has
+        # request_timeout to arrive whole: covers slow headers and idle keep-alive alike.
+        self._reader.deadline = time.monotonic() + self.request_timeout
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()  # reads the headers: still under the deadline
+        self._reader.deadline = None
+        self.connection.settimeout(self.send_timeout)
+        return ok
+
+
+def client_key(host: str) -> str:
+    """What one client is for the per-client bound: its IPv4 address, or its IPv6 /64 (one host
+    usually holds a whole /64, so counting addresses would not bound it)."""
+    try:
+        ip = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{ip}/64", strict=False))
+    return str(ip)
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a bounded number of connections, in all and per client address.
+
+    Over a bound the accepting thread answers 503 itself and closes: no thread is started. `name`
+    says what is served in the 503 body and the log ("too many connections to this relay");
+    `logger` is where refusals and connection failures are logged."""
+
+    daemon_threads = True
+    block_on_close = False  # stop() ends the connections itself instead of waiting on idle ones
+    request_queue_size = 128  # bursts of parallel downloads wait in the kernel, not refused
+    LINGER_SECONDS = 2  # a refused socket's longest wait for its client's request before closing
+    MAX_LINGERING = 1024  # refused sockets waiting at most (file descriptors stay bounded)
+
+    def __init__(self, address, handler, max_connections: int, max_per_client: int, *,
+                 name: str = "server", logger: logging.Logger = _log):
+        self.max_connections = max_connections
+        self.max_per_client = max_per_client
+        self.name = name
+        self.log = logger
+        self._active: dict[socket.socket, str] = {}  # served connection -> client key
+        self._per_client: dict[str, int] = {}
+        self._active_changed = threading.Condition()
+        self.refused = 0  # connections answered 503 since start
+        self._refused_logged = (0.0, 0)  # (when, refused count) at the last warning
+        self._lingering: deque[tuple[float, socket.socket]] = deque()  # (close by, refused socket)
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        key = client_key(str(client_address[0]))
+        with self._active_changed:
+            admit = (len(self._active) < self.max_connections
+                     and self._per_client.get(key, 0) < self.max_per_client)
+            if admit:
+                self._active[request] = key
+                self._per_client[key] = self._per_client.get(key, 0) + 1
+            else:
+                self.refused += 1
+        if not admit:
+            self._refuse(request, key)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread (e.g. the process' limit): the slot is not held
+            self._release(request)
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release(request)
+
+    def _release(self, request) -> None:
+        with self._active_changed:
+            key = self._active.pop(request, None)
+            if key is not None:
+                self._per_client[key] -= 1
+                if not self._per_client[key]:
+                    del self._per_client[key]
+            self._active_changed.notify_all()
+
+    def _refuse(self, request: socket.socket, key: str) -> None:
+        """Answer 503 without a thread: send it, half-close, and leave the socket to service_actions
+        to close once the client's request is read (closing with unread bytes would send a reset
+        that can destroy the 503 before the client reads it)."""
+        body = json.dumps({"error": f"too many connections to this {self.name}; retry later"}).encode()
+        head = ("HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+        try:
+            request.setblocking(False)  # never wait on this client in the accepting thread
+            request.send(head + body)
+            request.shutdown(socket.SHUT_WR)
+        except OSError:
+            request.close()
+        else:
+            self._lingering.append((time.monotonic() + self.LINGER_SECONDS, request))
+            while len(self._lingering) > self.MAX_LINGERING:  # a flood: the oldest are reset
+                self._lingering.popleft()[1].close()
+        now = time.monotonic()
+        when, count = self._refused_logged
+        if now - when >= 10:  # one line per 10 s under a flood, not one per connection
+            self.log.warning("refused %d connection(s) over the bounds (%d in all, %d per client; last from %s)",
+                             self.refused - count, self.max_connections, self.max_per_client, key)
+            self._refused_logged = (now, self.refused)
+
+    def service_actions(self) -> None:
+        """Between accepts (serve_forever calls it every poll interval): read what refused clients
+        sent and close their sockets once they closed theirs or LINGER_SECONDS passed."""
+        now = time.monotonic()
+        keep: deque[tuple[float, socket.socket]] = deque()
+        for deadline, request in self._lingering:
+            try:
+                for _ in range(4):  # a few reads per pass: a client sending forever cannot hold this thread
+                    if not request.recv(65536):
+                        raise EOFError
+            except BlockingIOError:
+                pass
+            except (OSError, EOFError):
+                request.close()
+                continue
+            if now < deadline:
+                keep.append((deadline, request))
+            else:
+                request.close()
+        self._lingering = keep
+
+    def server_close(self) -> None:
+        super().server_close()
+        while self._lingering:
+            self._lingering.popleft()[1].close()
+
+    def handle_error(self, request, client_address) -> None:
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return  # a client that went away or stalled: nothing to report
+        self.log.exception("%s connection from %s failed", self.name, client_address[0])
+
+    def close_connections(self, wait: float = 5) -> None:
+        """End every served connection and wait up to `wait` seconds for their threads to finish."""
+        with self._active_changed:
+            for request in list(self._active):
+                try:
+                    request.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._active_changed.wait_for(lambda: not self._active, timeout=wait)
+
+    @property
+    def active_connections(self) -> int:
+        """Connections being served now (each holds one thread)."""
+        return len(self._active)
