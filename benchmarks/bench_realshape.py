@@ -192,12 +192,12 @@ def stage_extraction(n_prompts: int, tokens: int) -> dict:
 
 
 def stage_agreement() -> dict:
+    from dflash_core.decoding import greedy_decode
     from dflash_core.drafter import load_drafter
     from dflash_core.features import extract_features
     from dflash_core.replay import Reference, replay
     from dflash_core.target import load_target
     from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
-    from dflash_core.decoding import greedy_decode
 
     run = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
     target = load_target(run.target_dir, dtype=torch.float32)

@@ -66,9 +66,9 @@ def start_prefect_server(home: Path, port: int, log: Path) -> tuple[subprocess.P
         try:
             api(url, "/health")
             break
-        except OSError:
+        except OSError as e:
             if server.poll() is not None:
-                raise RuntimeError(f"prefect server start exited with {server.returncode}:\n{log.read_text()[-3000:]}")
+                raise RuntimeError(f"prefect server start exited with {server.returncode}:\n{log.read_text()[-3000:]}") from e
             if time.monotonic() > deadline:
                 stop(server)
                 raise RuntimeError("the Prefect server did not become healthy within 120 s") from None

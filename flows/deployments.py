@@ -13,9 +13,9 @@ prefect.yaml declares the same deployments for the work-pool route (several mach
 import asyncio
 
 from prefect import Flow
+from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 from prefect.exceptions import TerminationSignal
 from prefect.runner import Runner
-from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 
 from .evaluate import RERUN_FLOWS, evaluate_checkpoint
 from .notify import EVENT, RESOURCE_PREFIX

@@ -27,8 +27,7 @@ from prefect import Flow, flow, get_client, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
-from dflash_core.choices import DEFAULT_REPLAY_GROUP
-from dflash_core.choices import SLIDING_SEMANTICS
+from dflash_core.choices import DEFAULT_REPLAY_GROUP, SLIDING_SEMANTICS
 from dflash_eval.flows.artifacts import publish
 from dflash_eval.flows.checks import EvaluationInputs, InputError, check_evaluation
 from dflash_eval.flows.choices import STAGES, DeviceName, StageName

@@ -17,15 +17,22 @@ the next run scores them again); one whose drafts or checkpoint entry is gone is
 
 import warnings
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, read_json
 from dflash_eval.storage.integrity import StaleEntryWarning, stale_upstream
-from dflash_eval.storage.schema import (SCORES_FILE, DraftsRecord, FeaturesRecord, FetchRecord, ReferencesRecord,
-                                        ScoresRecord, Stage)
+from dflash_eval.storage.schema import (
+    SCORES_FILE,
+    DraftsRecord,
+    FeaturesRecord,
+    FetchRecord,
+    ReferencesRecord,
+    ScoresRecord,
+    Stage,
+)
 
-_NEVER = datetime.min.replace(tzinfo=timezone.utc)  # a scores entry without a readable commit time sorts first
+_NEVER = datetime.min.replace(tzinfo=UTC)  # a scores entry without a readable commit time sorts first
 
 
 @dataclass(frozen=True)

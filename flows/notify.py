@@ -26,7 +26,7 @@ def checkpoint_event(checkpoint: str, step: int | None = None) -> dict:
     payload = {"checkpoint": checkpoint} | ({"step": step} if step is not None else {})
     return {
         "id": str(uuid.uuid4()),
-        "occurred": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "occurred": datetime.datetime.now(datetime.UTC).isoformat(),
         "event": EVENT,
         "resource": {"prefect.resource.id": RESOURCE_PREFIX + checkpoint, "prefect.resource.name": checkpoint},
         "payload": payload,

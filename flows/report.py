@@ -30,7 +30,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
@@ -151,7 +151,7 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
     if not groups:
         raise NothingToReport(f"no scored checkpoint in {store.location}: nothing to report")
     diagnostics = _diagnostics_by_checkpoint(store)
-    report = Report(store=store.location, written=datetime.now(timezone.utc),
+    report = Report(store=store.location, written=datetime.now(UTC),
                     groups=[_group_section(group, f"group{index}", max(1, last), diagnostics)
                             for index, group in enumerate(groups, start=1)])
 

@@ -8,8 +8,8 @@ from prefect import task
 from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
-from dflash_core.diagnostics import DEFAULT_OFFSETS, Variant, diagnostic_variants, first_divergences, variant_features
 from dflash_core.choices import SLIDING_SEMANTICS
+from dflash_core.diagnostics import DEFAULT_OFFSETS, Variant, diagnostic_variants, first_divergences, variant_features
 from dflash_core.drafter import load_drafter
 from dflash_core.metrics import PromptScore, tau_macro
 from dflash_core.replay import ReplayResult, replay

@@ -15,7 +15,7 @@ A deployment run's default thread budget is the machine's cores divided by the s
 import re
 import socket
 from contextlib import contextmanager
-from functools import lru_cache
+from functools import cache
 
 from prefect import get_client, get_run_logger
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
@@ -34,7 +34,7 @@ def heavy_limit_name() -> str:
     return f"dflash-heavy-stages-{host}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def _ensure_limit(name: str, api_url: str) -> int:
     """Creates the limit `name` on the server at `api_url` if it is not there; returns its slots."""
     with get_client(sync_client=True) as client:

@@ -11,6 +11,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import MissingContextError
 from prefect.runtime import flow_run
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 def series_key(target: str, prompts: str) -> str:
@@ -59,7 +60,6 @@ def stage_logger() -> logging.Logger | logging.LoggerAdapter:
             logger.setLevel(logging.INFO)
             logger.propagate = False
         return logger
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 
 class StageProgress:

@@ -23,8 +23,14 @@ from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
 from dflash_core.prompts import Prompt, prompt_set_identity, read_prompts, resolve_prompts, turn_prompt_ids
-from dflash_core.reference.backends import (TOKENIZER_LOCK, BackendError, LocalBackend, ServerModelChanged,
-                                             fingerprint_difference, open_backend)
+from dflash_core.reference.backends import (
+    TOKENIZER_LOCK,
+    BackendError,
+    LocalBackend,
+    ServerModelChanged,
+    fingerprint_difference,
+    open_backend,
+)
 from dflash_core.replay import Reference
 from dflash_core.target import read_target_config
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic

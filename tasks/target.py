@@ -6,7 +6,8 @@ from functools import lru_cache
 from transformers import AutoTokenizer
 
 from dflash_core.choices import AUTO_DTYPE, STAGE_DTYPE_NAMES
-from dflash_core.target import DTYPES as TARGET_DTYPES, Target, checkpoint_dtype, load_target
+from dflash_core.target import DTYPES as TARGET_DTYPES
+from dflash_core.target import Target, checkpoint_dtype, load_target
 from dflash_eval.storage import Store, directory_digest
 
 # What the stages compute in (dflash_core.choices: float16 is not one of them), by the name their store keys hold.

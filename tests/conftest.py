@@ -111,8 +111,8 @@ def tiny(tiny_qwen3_run, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_run():
-    from dflash_core.tiny.training import DrafterTrainingSettings
     from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
+    from dflash_core.tiny.training import DrafterTrainingSettings
 
     # two saved steps are enough here (the Qwen3 fixture covers tau rising with training)
     settings = TinyBuildSettings(arch="qwen3_5", drafter_training=DrafterTrainingSettings(steps=200, save_every=100))

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
 from tests.ports import free_port
 
 DASK = Path(sys.executable).parent / "dask"

@@ -30,7 +30,7 @@ def random_drafter(raw: dict, seed: int = 0, sliding_semantics: str = "causal", 
     torch.manual_seed(seed)
     model = DFlashDrafter(DrafterConfig.from_dict(raw), sliding_semantics)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.ndim == 2:
                 p.mul_(scale)
             else:  # norms: not all ones, so that a wrong norm shows

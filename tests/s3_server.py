@@ -9,6 +9,7 @@ import uuid
 from contextlib import contextmanager
 
 import requests
+
 from tests.ports import free_port
 
 BUCKET = "evals"

@@ -84,7 +84,6 @@ def test_an_evaluation_checks_its_inputs_once_by_hand_and_without_the_command_li
         tiny_qwen3_run, tmp_path, prefect_api_url, one_thread, monkeypatch):
     from dflash_eval.flows import checks
     from dflash_eval.flows.evaluate import evaluate_checkpoint
-
     from tests.tiny_models import first_prompts
 
     calls = []

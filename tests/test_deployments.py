@@ -15,7 +15,6 @@ import pytest
 
 from dflash_eval.flows.evaluate import STAGES
 from dflash_eval.storage.relay.server import RelayServer
-
 from tests.ports import free_port
 from tests.tiny_models import first_prompts
 

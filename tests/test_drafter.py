@@ -9,8 +9,13 @@ from safetensors.torch import load_file, save_file
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
 
 from dflash_core.drafter import load_drafter, save_drafter
-from dflash_core.drafter_config import (DrafterConfig, DrafterConfigWarning, DrafterError, fallback_layer_ids,
-                                        read_drafter_config)
+from dflash_core.drafter_config import (
+    DrafterConfig,
+    DrafterConfigWarning,
+    DrafterError,
+    fallback_layer_ids,
+    read_drafter_config,
+)
 from tests.drafters import drafter_config, random_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -12,8 +12,15 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash_core.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash_core.drafter_config import (
-    DFLASH_FIELDS, EXTRA_MODULE_FIELDS, IGNORED_FIELDS, READ_FIELDS, SWITCHES, DrafterConfig, DrafterConfigWarning,
-    DrafterError, read_drafter_config,
+    DFLASH_FIELDS,
+    EXTRA_MODULE_FIELDS,
+    IGNORED_FIELDS,
+    READ_FIELDS,
+    SWITCHES,
+    DrafterConfig,
+    DrafterConfigWarning,
+    DrafterError,
+    read_drafter_config,
 )
 from dflash_core.tiny import target as tiny_target
 from tests.drafters import drafter_config, random_drafter

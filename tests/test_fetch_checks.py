@@ -11,7 +11,6 @@ from typer.testing import CliRunner
 
 from dflash_eval.flows.cli import app
 from dflash_eval.storage import Store
-
 from tests.tiny_models import first_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -19,7 +19,6 @@ import torch
 from dflash_core.decoding import speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.target import load_target, read_target_config
-
 from dflash_eval.tasks.progress import series_key
 from tests.tiny_models import SHORT_PROMPTS
 

@@ -18,12 +18,11 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from dflash_core.tiny import target as tiny_target
 from dflash_core.prompts import resolve_prompts
 from dflash_core.reference.backends import API_KEY_ENV, FINGERPRINT_TEXTS, BackendError, OpenAIBackend, SGLangBackend
 from dflash_core.reference.server import ReferenceServer
 from dflash_core.target import read_target_config
-
+from dflash_core.tiny import target as tiny_target
 from tests.ports import free_port
 from tests.tiny_models import first_prompts
 
@@ -69,8 +68,8 @@ def references(tiny, store, reference, lookahead=False, concurrency=8, prompts=N
 
 def read_references(store, key):
     """The stored references of `key`, as `references` returns them."""
-    from dflash_eval.tasks.references import ReferenceSet, load_references
     from dflash_eval.storage import Store
+    from dflash_eval.tasks.references import ReferenceSet, load_references
 
     record = Store(store).read_record("references", key)
     refs = ReferenceSet(key, str(Store(store).entry("references", key)), record["n_prompts"], record["n"],

@@ -20,7 +20,6 @@ from safetensors.torch import load_file, save_file
 from dflash_core.reference.backends import BackendError
 from dflash_core.reference.server import ReferenceServer
 from dflash_eval.storage import Store
-
 from tests.tiny_models import first_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

@@ -20,12 +20,18 @@ import requests
 import torch
 from transformers import Qwen3ForCausalLM
 
-from dflash_core.tiny import target as tiny_target
 from dflash_core.decoding import greedy_decode
-from dflash_core.reference.backends import (API_KEY_ENV, BackendError, OpenAIBackend, SGLangBackend, open_backend,
-                                             reference_api_key)
+from dflash_core.reference.backends import (
+    API_KEY_ENV,
+    BackendError,
+    OpenAIBackend,
+    SGLangBackend,
+    open_backend,
+    reference_api_key,
+)
 from dflash_core.reference.server import ReferenceServer
 from dflash_core.target import Target, load_target
+from dflash_core.tiny import target as tiny_target
 from tests.tiny_models import qwen3_config
 
 REPO = Path(__file__).resolve().parents[1]

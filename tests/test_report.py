@@ -12,7 +12,7 @@ import itertools
 import json
 import re
 import shutil
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from html.parser import HTMLParser
 
 import pytest
@@ -22,9 +22,16 @@ from typer.testing import CliRunner
 from dflash_eval.flows.cli import app
 from dflash_eval.flows.report import NothingToReport, write_report
 from dflash_eval.storage import Store, key_of, write_json_atomic
-from dflash_eval.storage.schema import (BaselineRecord, DiagnosticsRecord, DraftsRecord, FeaturesRecord, FetchRecord,
-                                        ReferencesRecord, ScoresRecord, Stage)
-
+from dflash_eval.storage.schema import (
+    BaselineRecord,
+    DiagnosticsRecord,
+    DraftsRecord,
+    FeaturesRecord,
+    FetchRecord,
+    ReferencesRecord,
+    ScoresRecord,
+    Stage,
+)
 from tests.tiny_models import first_prompts
 
 N_PROMPTS = 10
@@ -316,7 +323,7 @@ def fabricate(store: Store, source: str, step: int | None, tau: float, ci: tuple
         store.begin(stage, key)
         store.commit(stage, key, record.to_record())
     marker = store.entry("scores", scores_key) / "entry.json"
-    scored_at = datetime(2025, 1, 1, tzinfo=timezone.utc) + timedelta(minutes=next(_clock))
+    scored_at = datetime(2025, 1, 1, tzinfo=UTC) + timedelta(minutes=next(_clock))
     write_json_atomic(marker, {**json.loads(marker.read_text()), "committed_at": scored_at.isoformat()})
     return scores_key
 

@@ -14,7 +14,6 @@ import requests
 
 from dflash_eval.flows.report_server import REPORT_URL_ENV, PortInUse, ReportServer, report_url
 from dflash_eval.storage import Store
-
 from tests.test_report import fabricate
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32  # only the bytes are checked, not the image

@@ -5,8 +5,17 @@ import json
 import pytest
 
 from dflash_eval.storage import Store, key_of
-from dflash_eval.storage.schema import (BaselineRecord, DiagnosticsRecord, DraftShardRecord, DraftsRecord,
-                                        FeaturesRecord, FetchRecord, ReferencesRecord, ScoresRecord, Stage)
+from dflash_eval.storage.schema import (
+    BaselineRecord,
+    DiagnosticsRecord,
+    DraftShardRecord,
+    DraftsRecord,
+    FeaturesRecord,
+    FetchRecord,
+    ReferencesRecord,
+    ScoresRecord,
+    Stage,
+)
 
 KEY = key_of({"schema": 1})
 

@@ -4,6 +4,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
+from datetime import UTC
 from pathlib import Path
 
 import pytest
@@ -96,19 +97,19 @@ def test_layout(tmp_path):
 
 
 def test_committed_at_is_when_the_entry_was_committed(tmp_path):
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     store = Store(tmp_path)
     with pytest.raises(EntryMissing):
         store.committed_at("scores", KEY)
     store.begin("scores", KEY)
-    before = datetime.now(timezone.utc)
+    before = datetime.now(UTC)
     store.commit("scores", KEY, {})
-    after = datetime.now(timezone.utc)
+    after = datetime.now(UTC)
     assert before <= store.committed_at("scores", KEY) <= after  # microseconds: not truncated to before the commit
     marker = store.entry("scores", KEY) / "entry.json"
     write_json_atomic(marker, {**json.loads(marker.read_text()), "committed_at": "2025-01-01T00:00:00"})
-    assert store.committed_at("scores", KEY) == datetime(2025, 1, 1, tzinfo=timezone.utc)  # naive reads as UTC
+    assert store.committed_at("scores", KEY) == datetime(2025, 1, 1, tzinfo=UTC)  # naive reads as UTC
     write_json_atomic(marker, {**json.loads(marker.read_text()), "committed_at": "yesterday"})
     assert store.committed_at("scores", KEY) is None
 
@@ -435,7 +436,7 @@ def test_lock_timeout_and_release_when_the_holder_is_killed(any_store, tmp_path,
     monkeypatch.setenv("DFLASH_LOCK_LEASE_SECONDS", "2")
     store = any_store
     with worker_started(storage_workers.hold_lock, store, tmp_path, "features", KEY, 120, kill=True) as holder:
-        with pytest.raises(LockTimeout, match="another process holds it|is held by .*:%d:" % holder.pid):
+        with pytest.raises(LockTimeout, match=f"another process holds it|is held by .*:{holder.pid}:"):
             with store.lock("features", KEY, timeout=0.2):
                 pass
         with store.lock("features", OTHER_KEY, timeout=0.2):  # other entries are not blocked

@@ -11,11 +11,11 @@ import torch
 
 from dflash_core.decoding import greedy_decode, speculative_decode
 from dflash_core.drafter import load_drafter
-from dflash_core.tiny.training import init_drafter
 from dflash_core.features import extract_features
 from dflash_core.metrics import mean_acceptance, tau_macro
 from dflash_core.replay import Reference, replay
 from dflash_core.target import load_target
+from dflash_core.tiny.training import init_drafter
 
 pytestmark = pytest.mark.slow
 
@@ -116,7 +116,9 @@ def test_injected_faults_lower_tau(qwen3_eval):
         "sliding semantics switched": replay(load_drafter(ev.run.drafter_steps[-1], sliding_semantics="non_causal"),
                                              *args, ev.features()),
     }
-    mean = lambda xs: sum(xs) / len(xs)
+    def mean(xs):
+        return sum(xs) / len(xs)
+
     print(f"tau {mean(good):.2f}; " + ", ".join(f"{name}: {mean(per_prompt_tau(r)):.2f}" for name, r in faults.items()))
     for name, results in faults.items():
         bad = per_prompt_tau(results)

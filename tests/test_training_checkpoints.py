@@ -29,7 +29,6 @@ from torch import nn
 from dflash_eval.storage import Store
 from dflash_eval.storage.relay.server import RelayServer
 from dflash_eval.tasks.fetch import CheckpointError, fetch_checkpoint
-
 from tests.tiny_models import first_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -49,11 +48,11 @@ class _TrainingWrapper(nn.Module):
 
 @pytest.fixture(scope="module")
 def saves(tiny_qwen3_run, tmp_path_factory):
+    from safetensors.torch import load_file
     from specforge.export.to_hf import export_to_hf
     from specforge.modeling.auto import AutoDraftModel, AutoDraftModelConfig
     from specforge.training.checkpoint import CheckpointManager
     from specforge.training.strategies.base import DFlashTrainStrategy
-    from safetensors.torch import load_file
 
     root = tmp_path_factory.mktemp("specforge")
     trained = tiny_qwen3_run.drafter_steps[-1]

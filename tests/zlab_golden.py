@@ -27,7 +27,7 @@ def write_case_drafter(folder: Path) -> Path:
     """The case's drafter, saved as a published checkpoint (config.json + model.safetensors) in `folder`."""
     model = DFlashDrafter(DrafterConfig.from_dict(RAW))
     with torch.no_grad():
-        for seed, (name, p) in enumerate(sorted(model.named_parameters())):
+        for seed, (_, p) in enumerate(sorted(model.named_parameters())):
             # norms near 1 (not all ones, so that a wrong norm shows), projections of unit-ish gain
             p.copy_(1 + _values(seed, p.shape, 0.1) if p.ndim == 1 else _values(seed, p.shape, p.shape[1] ** -0.5))
     save_drafter(model, folder)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from .. import drafter, features, replay
+from .. import drafter, drafter_config, features, replay
 from ..drafter import load_drafter
 from ..features import extract_features
 from ..metrics import tau_macro
@@ -94,7 +94,7 @@ def tiny_run_key(settings: TinyBuildSettings) -> str:
     """Content key of a build: the code that shapes the trained weights, the settings and the library
     versions (replay and decoding only report tau here: they are left out, so editing them does not
     force a rebuild)."""
-    code = "".join(inspect.getsource(m) for m in (tiny_target, drafter, drafter_training, features))
+    code = "".join(inspect.getsource(m) for m in (tiny_target, drafter, drafter_config, drafter_training, features))
     code += inspect.getsource(sys.modules[__name__])
     identity = {
         "code": hashlib.sha256(code.encode()).hexdigest(),
@@ -106,7 +106,7 @@ def tiny_run_key(settings: TinyBuildSettings) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def drafter_config(settings: TinyBuildSettings, target: Target, mask_token_id: int) -> dict:
+def tiny_drafter_config(settings: TinyBuildSettings, target: Target, mask_token_id: int) -> dict:
     """The drafter's config.json (the published DFlash format)."""
     hidden = target.hidden_size
     return {
@@ -180,7 +180,7 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
 
     target = Target.from_model(model)
     eos = tokenizer.eos_token_id
-    mask_token_id = tokenizer.convert_tokens_to_ids(tiny_target.MASK_TOKEN)
+    mask_token_id = tiny_target.token_id(tokenizer, tiny_target.MASK_TOKEN)
     t = time.perf_counter()
     references = settings.train_prompts + settings.eval_prompts
     train_refs = [Reference(settings.prompt_len, seq) for seq in _greedy_batch(
@@ -196,7 +196,7 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
     log(f"references + features: {len(train_refs)} train, {len(eval_refs)} eval, {timings['references_and_features']:.0f} s")
 
     t = time.perf_counter()
-    raw = drafter_config(settings, target, mask_token_id)
+    raw = tiny_drafter_config(settings, target, mask_token_id)
     saved = train_drafter(raw, target.embed_weight, target.head_weight, train_refs, train_feats,
                           out / "drafter", settings.drafter_training, log=log, progress=progress)
     timings["drafter"] = time.perf_counter() - t

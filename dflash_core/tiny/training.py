@@ -56,7 +56,7 @@ def init_drafter(raw_config: dict, seed: int = 0, sliding_semantics: str = "caus
     """A freshly initialised drafter (normal(0, 0.02) projections, unit norms), float32."""
     torch.manual_seed(seed)
     model = DFlashDrafter(DrafterConfig.from_dict(raw_config), sliding_semantics)
-    for name, p in model.named_parameters():
+    for p in model.parameters():
         if p.ndim == 2:
             torch.nn.init.normal_(p, std=0.02)
     return model

@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 
 from .common import configure_threads, decoding_threads, fail, token_from_file
-from .options import DeviceOption, Device, ServedDtype, Target, example
+from .options import Device, DeviceOption, ServedDtype, Target, example
 
 app = typer.Typer()
 
