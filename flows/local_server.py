@@ -81,7 +81,7 @@ class TiedServer(SubprocessASGIServer):
         if self.server_process is not None:
             return
         if self.port is None:
-            self.port = self.find_available_port()
+            self.port = self._free_port()
         subprocess_server_logger.info(f"Starting temporary server on {self.address}")  # as Prefect's start() does
         self.server_process = self._run_uvicorn_command()
         atexit.register(self.stop)
@@ -100,7 +100,7 @@ class TiedServer(SubprocessASGIServer):
         with httpx.Client() as client:
             while time.monotonic() < deadline:
                 if self.server_process.poll() == PORT_IN_USE_EXIT:
-                    self.port = self.find_available_port()
+                    self.port = self._free_port()
                     self.server_process = self._run_uvicorn_command()
                 elif self.server_process.poll() is not None:
                     break
@@ -114,6 +114,16 @@ class TiedServer(SubprocessASGIServer):
         exit_code = self.server_process.poll()
         self._abandon()
         raise LocalServerError(self._failure(allowance, exit_code))
+
+    def _free_port(self) -> int:
+        """A free port for the server (Prefect tries ten in its range), or LocalServerError."""
+        try:
+            return self.find_available_port()
+        except RuntimeError:
+            low, high = self._port_range.start, self._port_range.stop - 1
+            raise LocalServerError(f"no free port for Prefect's temporary server (tried ten in {low}-{high}); start a "
+                                   "server once (`prefect server start`) and set "
+                                   "PREFECT_API_URL=http://127.0.0.1:4200/api") from None
 
     def _abandon(self) -> None:
         """Stop the process that did not start and take it out of Prefect's registry, so that nothing waits on it

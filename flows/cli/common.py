@@ -32,17 +32,17 @@ def start_local_server(wait: bool = True) -> None:
     does other work."""
     if not local_server_needed():
         return
+    from rich.console import Console
+
     # imports Prefect's server (~1 s): only to start one
     from dflash_eval.flows.local_server import LocalServerError, launch_local_server, tie_local_server
 
-    if not wait:
-        launch_local_server()
-        return
-    from rich.console import Console
-
-    try:  # the status line shows on a terminal only
+    try:
+        if not wait:
+            launch_local_server()
+            return
         with Console(stderr=True).status("starting Prefect's temporary server (the first start after an install "
-                                         "takes a minute)"):
+                                         "takes a minute)"):  # shows on a terminal only
             tie_local_server()
     except LocalServerError as e:
         fail(str(e))
