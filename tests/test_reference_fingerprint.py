@@ -9,6 +9,7 @@ other model's outputs and committed. Here two tiny targets share a tokenizer and
 """
 
 import itertools
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -49,7 +50,11 @@ def models(tiny_qwen3_run, tmp_path_factory):
 def serve(models, weights: str, port: int = 0) -> ReferenceServer:
     """A started server of `weights` ("a" or "b") from the shared folder: same model path, same identity.
     It records every generation request's max_new_tokens in `server.lengths`."""
-    shutil.copyfile(models[weights], models["served"] / "model.safetensors")
+    # a new file put in place, as a deploy does: a server still running keeps its own (memory-mapped) weights,
+    # where overwriting them in place would pull the pages from under it (SIGBUS)
+    staged = models["served"] / "model.safetensors.new"
+    shutil.copyfile(models[weights], staged)
+    os.replace(staged, models["served"] / "model.safetensors")
     server = ReferenceServer(models["served"], port=port)
     server.lengths = []
     generate = server._generate
