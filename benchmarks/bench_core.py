@@ -7,8 +7,12 @@ weights), then measures in one process and prints ratios against baselines run i
                      offline from cached features (target: replay >= 10x faster once features exist)
   extraction vs forward: extract_features over the references vs the target's bare forward over the
                      same tokens (target: at most 1.15x)
+  sampled:           the online loop at --temperature (SGLang's and vLLM's rejection rule), --samples
+                     runs per prompt, vs the replay over what it emitted (the same >= 10x as greedy;
+                     a sampled evaluation costs --samples times the references, features and replay)
 
 Run: .venv/bin/python benchmarks/bench_core.py [--prompts 8] [--new-tokens 96] [--threads 2]
+     [--temperature 0.6 --samples 2]
 """
 
 import argparse
@@ -22,6 +26,7 @@ from dflash_core.drafter import DFlashDrafter
 from dflash_core.drafter_config import DrafterConfig
 from dflash_core.features import extract_features
 from dflash_core.replay import Reference, replay
+from dflash_core.sampling import Sampling
 from dflash_core.target import Target
 
 
@@ -60,6 +65,8 @@ def main():
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument("--samples", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -98,6 +105,23 @@ def main():
     print(f"feature extraction (layers {drafter.target_layer_ids}): {t_extract:6.2f} s")
     print(f"bare forward with lm_head:         {t_forward:7.2f} s   -> extraction / forward = {t_extract / t_forward:.2f}x")
     print(f"bare backbone forward (no head):   {t_backbone:7.2f} s   -> extraction / backbone = {t_extract / t_backbone:.2f}x")
+
+    sampling = Sampling(args.temperature, top_k=20, top_p=0.95)
+    runs = [(p, k) for p in prompts for k in range(args.samples)]
+    sampled, t_sampled = timed(lambda: [
+        speculative_decode(target, drafter, p, args.new_tokens, sampling=sampling, rule="rejection",
+                           generator=torch.Generator().manual_seed(k)) for p, k in runs])
+    emitted = [Reference(o.prompt_len, o.output_ids) for o in sampled]
+    emitted_features, t_sampled_extract = timed(
+        lambda: extract_features(target, [r.token_ids for r in emitted], drafter.target_layer_ids))
+    replayed, t_sampled_replay = timed(lambda: replay(drafter, target.embed_weight, target.head_weight, emitted,
+                                                      emitted_features))
+    assert [r.acceptance_lengths for r in replayed] == [o.acceptance_lengths for o in sampled], "replay != online"
+    sampled_steps = sum(len(o.acceptance_lengths) for o in sampled)
+    print(f"online loop, {sampling.describe()}, {args.samples} per prompt: {t_sampled:7.2f} s  ({sampled_steps} steps)")
+    print(f"offline replay of its output:      {t_sampled_replay:7.2f} s   -> {t_sampled / t_sampled_replay:5.1f}x "
+          f"faster than online; per sample {t_sampled_replay / args.samples:.2f} s of replay, "
+          f"{t_sampled_extract / args.samples:.2f} s of extraction")
 
 
 if __name__ == "__main__":

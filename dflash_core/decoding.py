@@ -1,8 +1,9 @@
-"""Decoding with the target in the loop: plain greedy decoding and real greedy speculative decoding.
+"""Decoding with the target in the loop: plain decoding and real speculative decoding, greedy or sampled.
 
 `speculative_decode` is the oracle the offline replay is tested against (and, later, the way to
-measure wall-clock speedup). It drafts a block, verifies it with the target, keeps the accepted
-prefix plus the target's bonus token, and rolls the target's cache back to what was kept.
+measure wall-clock speedup). It drafts a block, verifies it with the target (dflash_core.sampling:
+greedy, or sampled under either serving stack's rule), keeps the accepted prefix plus the target's
+bonus token, and rolls the target's cache back to what was kept.
 
 Rolling back: attention KV caches are cropped. Hybrid targets (Qwen3.5/3.6 Gated DeltaNet layers)
 also carry a recurrent state that has absorbed every verified token, rejected ones included, and
@@ -17,7 +18,8 @@ import torch.nn.functional as F
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .drafter import DFlashDrafter
-from .drafter_config import check_compatible
+from .drafter_config import check_block_size, check_compatible
+from .sampling import GREEDY, Sampling, Verification, verify_block
 from .target import Target
 
 
@@ -66,16 +68,17 @@ def _restore(layers, snapshot) -> None:
 
 
 @torch.no_grad()
-def greedy_decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_ids=()) -> list[int]:
-    """Plain greedy decoding with a KV cache: prompt + completion, ending at a stop token (kept) or
-    after max_new_tokens."""
+def decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_ids=(), sampling: Sampling = GREEDY,
+           generator: torch.Generator | None = None) -> list[int]:
+    """Plain decoding with a KV cache: prompt + completion, ending at a stop token (kept) or after
+    max_new_tokens; greedy, or sampled with `sampling` from `generator` (one draw per token)."""
     ids = _check_prompt(target, prompt_ids, max_new_tokens)
     stop = set(stop_token_ids)
     cache = target.new_cache()
     next_input = torch.tensor([ids], device=target.device)
     for _ in range(max_new_tokens):
         logits = target.forward(next_input, cache=cache).require_logits()
-        token = int(logits[0, -1].argmax())
+        token = int(sampling.sample(logits[0, -1], generator))
         ids.append(token)
         if token in stop:
             break
@@ -83,20 +86,31 @@ def greedy_decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_id
     return ids
 
 
+def greedy_decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_ids=()) -> list[int]:
+    """Plain greedy decoding (decode at temperature 0)."""
+    return decode(target, prompt_ids, max_new_tokens, stop_token_ids)
+
+
 @torch.no_grad()
 def speculative_decode(
-    target: Target, drafter: DFlashDrafter, prompt_ids, max_new_tokens: int, stop_token_ids=()
+    target: Target, drafter: DFlashDrafter, prompt_ids, max_new_tokens: int, stop_token_ids=(),
+    sampling: Sampling = GREEDY, rule: Verification = "match", generator: torch.Generator | None = None,
+    block_size: int | None = None,
 ) -> DecodeResult:
-    """Greedy speculative decoding with the target verifying every block.
+    """Speculative decoding with the target verifying every block.
 
-    Each step drafts [last token, MASK x (B-1)] from the features of all committed tokens, verifies it
-    in one target forward, and emits the accepted drafts plus the target's own next token. Emitted
-    tokens are clipped at a stop token and at max_new_tokens, exactly as the replay clips.
-    Its output equals greedy_decode's.
+    Each step drafts [last token, MASK x (B-1)] from the features of all committed tokens (the drafter's
+    argmax, as every serving stack drafts), verifies it in one target forward, and emits the accepted
+    drafts plus the target's own next token: greedy, or sampled with `sampling` under `rule`
+    (dflash_core.sampling.verify_block). Emitted tokens are clipped at a stop token and at
+    max_new_tokens, exactly as the replay clips. Greedy, its output equals greedy_decode's.
+    block_size: verify blocks of b <= the drafter's block size (SGLang's --speculative-num-draft-tokens):
+    the drafter runs on b positions, not on its whole block cut short.
     """
     check_compatible(drafter.cfg, target.hidden_size, target.vocab_size, target.num_layers)
     ids = _check_prompt(target, prompt_ids, max_new_tokens)
-    prompt_len, B, layer_ids = len(ids), drafter.block_size, drafter.target_layer_ids
+    B = drafter.block_size if block_size is None else check_block_size(block_size, drafter.block_size)
+    prompt_len, layer_ids = len(ids), drafter.target_layer_ids
     max_len = prompt_len + max_new_tokens
     stop = set(stop_token_ids)
     embed = target.embed_weight.to(drafter.device, drafter.dtype)
@@ -109,7 +123,7 @@ def speculative_decode(
     cache = target.new_cache()
     cache.activate_past_recording()  # lets sliding-window and conv states crop back
     out = target.forward(torch.tensor([ids], device=target.device), cache=cache, layer_ids=layer_ids)
-    ids.append(int(out.require_logits()[0, -1].argmax()))
+    ids.append(int(sampling.sample(out.require_logits()[0, -1], generator)))
     context = [[k, v] for k, v in drafter.context_kv(features(out, prompt_len))]
     recurrent = _recurrent_states(cache)
 
@@ -124,11 +138,7 @@ def speculative_decode(
         verify = [ids[start]] + drafts
         snapshot = _snapshot(recurrent)
         out = target.forward(torch.tensor([verify], device=target.device), cache=cache, layer_ids=layer_ids)
-        posterior = out.require_logits()[0].argmax(-1).tolist()  # the target's token after each verified one
-        accepted = 0
-        while accepted < B - 1 and drafts[accepted] == posterior[accepted]:
-            accepted += 1
-        new_tokens = drafts[:accepted] + [posterior[accepted]]
+        new_tokens = verify_block(drafts, out.require_logits()[0], sampling, rule, generator)
         new_tokens = new_tokens[: max_len - start - 1]
         for j, t in enumerate(new_tokens):
             if t in stop:

@@ -159,7 +159,7 @@ class DFlashDrafter(nn.Module):
         B = block_embeds.shape[1]
         positions = starts[:, None] + torch.arange(B, device=starts.device)  # [N, B]
         cos, sin = self.rope(positions)
-        masks = self.attention_masks(starts, context[0][0].shape[2])
+        masks = self.attention_masks(starts, context[0][0].shape[2], B)
         # Context a sliding layer cannot see for any block of the batch is left out of its attention
         # (masked keys change nothing; with long prompts they would be most of the work).
         first = {"full_attention": 0}
@@ -210,14 +210,17 @@ class DFlashDrafter(nn.Module):
             out.append((k[0], v[0]) if single else (k, v))
         return out
 
-    def attention_masks(self, starts: torch.Tensor, context_len: int) -> dict[str, torch.Tensor]:
-        """Boolean masks [N, 1, B, S+B] for each layer type (True = may attend).
+    def attention_masks(self, starts: torch.Tensor, context_len: int,
+                        block_len: int | None = None) -> dict[str, torch.Tensor]:
+        """Boolean masks [N, 1, B, S+B] for each layer type (True = may attend), for blocks of block_len B
+        (default the drafter's block size; a smaller one drafts fewer tokens, as served).
 
         starts [N]: each block's first position; every block sees the context positions < its start.
         Sliding layers also see only keys less than sliding_window positions before the query (and,
         when not causal, after it). Keys are [context ; block], as in Attention.forward.
         """
-        B, S, N, device = self.cfg.block_size, context_len, len(starts), starts.device
+        B = self.cfg.block_size if block_len is None else block_len
+        S, N, device = context_len, len(starts), starts.device
         q_pos = starts[:, None] + torch.arange(B, device=device)  # [N, B]
         ctx_pos = torch.arange(S, device=device)
         ctx_visible = (ctx_pos[None, None, :] < starts[:, None, None]).expand(-1, B, -1)  # [N, B, S]

@@ -235,6 +235,16 @@ def check_compatible(cfg: DrafterConfig, hidden_size: int, vocab_size: int, num_
         warnings.warn(f"drafter num_target_layers {cfg.num_target_layers} != target layers {num_layers}", stacklevel=2)
 
 
+def check_block_size(block_size: int, drafter_block_size: int) -> int:
+    """A block size to verify with (SGLang's --speculative-num-draft-tokens, vLLM's num_speculative_tokens
+    + 1): 2 .. the drafter's block size; ValueError otherwise."""
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or not 2 <= block_size <= drafter_block_size:
+        raise ValueError(f"block size {block_size!r}: use 2 .. {drafter_block_size}, the drafter's block size (a "
+                         "block is the bonus token and at least one draft; the drafter was trained on blocks of "
+                         f"{drafter_block_size} and drafts no more)")
+    return block_size
+
+
 def fallback_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The layer ids DFlash training uses when a config names none: evenly from 1 to n_target - 3."""
     if num_draft_layers == 1:

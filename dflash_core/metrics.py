@@ -9,7 +9,9 @@ target's bonus token, 1..B for block size B.
 
 - position_acceptance: P(draft position k accepted | positions < k accepted), k = 1..B-1: where
   a drafter loses its way inside the block.
-- 95% intervals: percentile bootstrap over prompts (the prompt is the unit that varies).
+- 95% intervals: percentile bootstrap over prompts (the prompt is the unit that varies); with several
+  sampled completions per prompt (temperature > 0), a two-level bootstrap: prompts, then the samples
+  within each prompt drawn.
 - projected speedup: tau / (1 + c) for a drafter forward costing c target forwards.
 
 A reference ends where the target stopped, so a prompt's last step can only be compared against the
@@ -37,6 +39,7 @@ class PromptScore:
     acceptance_lengths: list[int]
     starts: list[int]
     reference_len: int  # prompt + completion (+ lookahead) tokens
+    prompt: str | None = None  # the prompt (and turn) this reference is a sample of; None: its own id
 
     @property
     def tau(self) -> float:
@@ -105,14 +108,52 @@ def position_acceptance(prompts: Sequence[PromptScore], block_size: int) -> list
     return [a / r if r else None for a, r in zip(accepted, reached)]
 
 
+def by_prompt(scores: Sequence[PromptScore]) -> list[list[PromptScore]]:
+    """The references grouped by the prompt they sample (each reference alone when greedy), in order."""
+    groups: dict[str, list[PromptScore]] = {}
+    for p in scores:
+        groups.setdefault(p.prompt or p.id, []).append(p)
+    return list(groups.values())
+
+
 def bootstrap_interval(prompts: Sequence[PromptScore], statistic, draws: int = 1000, seed: int = 0,
                        level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of statistic(prompts) over prompts resampled with replacement."""
+    """Percentile bootstrap interval of statistic(prompts): prompts resampled with replacement, then, for a
+    prompt with several samples, its samples resampled with replacement (two levels)."""
     rng = random.Random(seed)
-    values = sorted(statistic([rng.choice(prompts) for _ in prompts]) for _ in range(draws))
+    groups = by_prompt(prompts)
+
+    def resample() -> list[PromptScore]:
+        drawn = []
+        for group in (rng.choice(groups) for _ in groups):
+            drawn += group if len(group) == 1 else [rng.choice(group) for _ in group]
+        return drawn
+
+    values = sorted(statistic(resample()) for _ in range(draws))
     low = values[int((1 - level) / 2 * draws)]
     high = values[min(draws - 1, int((1 + level) / 2 * draws))]
     return low, high
+
+
+def paired_difference_interval(pairs: Sequence[tuple[str, float, float]], draws: int = 1000, seed: int = 0,
+                               level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of a - b over references scored by two drafters on the same
+    references: pairs (the prompt a reference samples, a's tau, b's tau), resampled together, prompts then
+    the samples within a prompt (two levels, as bootstrap_interval). Pairing removes what the references
+    share, so it is much narrower than comparing the two intervals."""
+    groups: dict[str, list[float]] = {}
+    for prompt, a, b in pairs:
+        groups.setdefault(prompt, []).append(a - b)
+    units = list(groups.values())
+    rng = random.Random(seed)
+    values = []
+    for _ in range(draws):
+        drawn: list[float] = []
+        for group in (rng.choice(units) for _ in units):
+            drawn += group if len(group) == 1 else [rng.choice(group) for _ in group]
+        values.append(sum(drawn) / len(drawn))
+    values.sort()
+    return values[int((1 - level) / 2 * draws)], values[min(draws - 1, int((1 + level) / 2 * draws))]
 
 
 def projected_speedup(tau: float, cost_ratio: float) -> float:
@@ -156,6 +197,7 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
                          "(metrics.projected_speedup)"),
         "histogram": {str(k): n for k, n in enumerate(histogram(scored, block_size), start=1)},
         "n_prompts": len(prompts),
+        "samples_per_prompt": max(len(g) for g in by_prompt(prompts)),  # 1: greedy
         "n_scored_prompts": len(scored),
         "n_steps": sum(len(p.acceptance_lengths) for p in scored),
         "n_tokens": sum(sum(p.acceptance_lengths) for p in scored),
@@ -165,6 +207,7 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
         "per_prompt": [
             {
                 "id": p.id,
+                "prompt": p.prompt,
                 "category": p.category,
                 "tau": p.tau if p.acceptance_lengths else None,
                 "acceptance_lengths": p.acceptance_lengths,

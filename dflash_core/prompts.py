@@ -36,6 +36,18 @@ tokens skipped) to turns 1 .. k-1. Single-turn prompts (and `text`, `messages`,
 Prompt suites ship with the package in `dflash_core/prompt_suites/` (`PROMPT_SUITES`:
 math, code, chat, multiturn); `resolve_prompts(name_or_path)` turns a suite name or a
 path into the JSONL file to read.
+
+Completions you already have (`read_completions`, for `--references FILE`): one line per
+completion, a prompt and what the target answered, e.g. a server's logged outputs at its
+serving settings:
+
+    {"id": "p1", "input_ids": [151644, 872], "completion_ids": [40, 1079, 151645]}
+    {"id": "p2", "messages": [{"role": "user", "content": "Sort a list."}], "completion": "Use sorted()."}
+
+`input_ids` + `completion_ids` are used as they are. A `text` or `messages` prompt (as above)
+with a `completion` text is tokenized with the target's tokenizer, the completion without
+special tokens, and flagged as re-tokenized (the ids a server emitted may differ). An id may
+repeat: its lines are samples of one prompt (`<id>#s<k>`, k from 0 in file order).
 """
 
 import json
@@ -360,3 +372,88 @@ def resolve_prompts(name_or_path: str) -> Path:
         f"{name_or_path}: no such prompt file, and not a prompt suite; give a path to a JSONL file or one of "
         f"the suites: {', '.join(PROMPT_SUITES)}"
     )
+
+
+@dataclass(frozen=True)
+class GivenCompletion:
+    """One line of a completions file (`read_completions`): a prompt and the target's completion of it."""
+
+    id: str  # the line's id, `<id>#s<k>` when the id repeats (samples of one prompt)
+    prompt: str | None  # the repeated id the line samples; None when it is unique in the file
+    category: str | None
+    input_ids: tuple[int, ...]
+    completion_ids: tuple[int, ...]
+    retokenized: bool  # given as text: tokenized here, so not necessarily the ids the server emitted
+
+
+def _read_completion(record: dict, at: _Line, tokenizer, thinking: bool, vocab_size: int | None):
+    """(id, category, prompt ids, completion ids, retokenized) of one completions line."""
+    if "completion_ids" in record:
+        if "input_ids" not in record:
+            raise at.error("needs 'input_ids' beside it (the prompt as token ids); or give the prompt as 'text' "
+                           "or 'messages' with a 'completion' text", "completion_ids")
+        prompt = _read_record({k: record[k] for k in ("id", "category", "input_ids") if k in record}, at, tokenizer,
+                              thinking, vocab_size)
+        completion = _read_input_ids(record["completion_ids"], at)
+        field, retokenized = "completion_ids", False
+    elif "completion" in record:
+        prompt_fields = {k: record[k] for k in ("id", "category", "text", "messages") if k in record}
+        prompt = _read_record(prompt_fields, at, tokenizer, thinking, vocab_size)
+        if not isinstance(record["completion"], str):
+            raise at.error(f"must be a string, got {_type_name(record['completion'])}", "completion")
+        completion = tokenizer.encode(record["completion"], add_special_tokens=False)
+        field, retokenized = "completion", True
+    else:
+        raise at.error("a completion needs 'input_ids' and 'completion_ids' (token ids), or a 'text' or 'messages' "
+                       "prompt and a 'completion' text")
+    if not completion:
+        raise at.error("is empty: a reference needs at least one completion token; leave the line out", field)
+    if vocab_size is not None and (bad := [t for t in completion if t >= vocab_size]):
+        raise at.error(f"id {bad[0]} is not below the target's vocabulary size {vocab_size}; the ids must come "
+                       "from the target's own tokenizer", field)
+    return prompt.id, prompt.category, prompt.input_ids, tuple(int(t) for t in completion), retokenized
+
+
+def read_completions(path, tokenizer, *, thinking: bool = False, vocab_size: int | None = None) -> list[GivenCompletion]:
+    """Read a completions file (see the module docstring), in file order; the first problem raises
+    `PromptError` naming the file, line and field."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise PromptError(f"{path}: completions file not found; check the path") from None
+    except IsADirectoryError:
+        raise PromptError(f"{path} is a directory, not a completions file; give the JSONL file in it") from None
+    except OSError as error:
+        raise PromptError(f"{path}: cannot read the completions file: {error}") from error
+    lines = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        at = _Line(path, number)
+        try:
+            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as error:
+            raise at.error(f"not valid UTF-8 ({error}); save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise at.error(f"not valid JSON ({error.msg} at column {error.colno}); write one JSON object per "
+                           "line") from None
+        if not isinstance(record, dict):
+            raise at.error(f"expected a JSON object, got {_type_name(record)}; write one JSON object per line")
+        lines.append(_read_completion(record, at, tokenizer, thinking, vocab_size))
+    if not lines:
+        raise PromptError(f"{path}: no completions (the file is empty or only blank lines); write one JSON object "
+                          "per line")
+    counts: dict[str, int] = {}
+    for line_id, *_ in lines:
+        counts[line_id] = counts.get(line_id, 0) + 1
+    seen: dict[str, int] = {}
+    completions = []
+    for line_id, category, input_ids, completion_ids, retokenized in lines:
+        k = seen[line_id] = seen.get(line_id, -1) + 1
+        repeated = counts[line_id] > 1
+        completions.append(GivenCompletion(f"{line_id}#s{k}" if repeated else line_id, line_id if repeated else None,
+                                           category, input_ids, completion_ids, retokenized))
+    return completions

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from .drafter import DFlashDrafter
-from .drafter_config import check_compatible
+from .drafter_config import check_block_size, check_compatible
 
 # Rows of the lm_head's matmul whose arithmetic costs about what reading the head once does (at the
 # Qwen3.6 shape, bf16 on 2 CPU cores: 83 ms for 1 row, 88 for 8, 109 for 16, 151 for 32; GPUs balance higher).
@@ -81,7 +81,7 @@ class BlockScorer:
     """Scores draft blocks of a set of references against those references."""
 
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, head_weight: torch.Tensor,
-                 references: Sequence[Reference], features: Iterable[torch.Tensor]):
+                 references: Sequence[Reference], features: Iterable[torch.Tensor], block_size: int | None = None):
         if embed_weight.shape != head_weight.shape:
             raise ValueError(f"embedding {list(embed_weight.shape)} and head {list(head_weight.shape)} shapes differ")
         vocab_size = embed_weight.shape[0]
@@ -92,7 +92,7 @@ class BlockScorer:
                 raise ValueError(f"reference {i}: token ids {bad[:5]} are outside the target's vocabulary of "
                                  f"{vocab_size}")
         self.drafter = drafter
-        self.B = drafter.block_size
+        self.B = drafter.block_size if block_size is None else check_block_size(block_size, drafter.block_size)
         device, dtype = drafter.device, drafter.dtype
         self.embed = embed_weight.to(device=device, dtype=dtype)  # [V, H]
         self.head = head_weight.to(device=device, dtype=dtype)  # [V, H]
@@ -197,6 +197,7 @@ def replay(
     references: Sequence[Reference],
     features: Sequence[torch.Tensor],
     all_positions: bool = False,
+    block_size: int | None = None,
     max_blocks: int = 64,
     max_context_tokens: int = 1 << 18,
     progress: Callable[[int], None] | None = None,
@@ -206,10 +207,11 @@ def replay(
     features[i]: [K, T_i, H] target features of reference i (K layers in drafter.target_layer_ids order);
     any iterable, consumed once, in order: a generator that reads them one by one holds one at a time.
     all_positions: also score a block at every start position; the decode steps then follow from it
-    at no extra cost. Batches hold at most max_blocks blocks and max_context_tokens padded context
+    at no extra cost. block_size: draft blocks of b <= the drafter's block size, as a server verifying b
+    tokens per step runs it (the drafter sees b positions; default its own block size). Batches hold at most max_blocks blocks and max_context_tokens padded context
     positions (memory). progress(n) is called with the number of blocks scored so far.
     """
-    scorer = BlockScorer(drafter, embed_weight, head_weight, references, features)
+    scorer = BlockScorer(drafter, embed_weight, head_weight, references, features, block_size)
     results = [ReplayResult() for _ in references]
     done = 0
 

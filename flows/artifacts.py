@@ -25,7 +25,7 @@ from dflash_eval.storage import Store
 from dflash_eval.storage.schema import Stage
 from dflash_eval.tasks.progress import series_key
 
-from .history import Group, find_group, history
+from .history import Group, find_group, history, paired_interval
 from .report_server import report_url
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
@@ -100,6 +100,8 @@ def score_table(results: dict) -> list[dict]:
         ("decode steps", results["n_steps"]),
         ("clipped last steps", results["clipped_last_steps"]),
         ("sliding semantics", results["sliding_semantics"]),
+        ("references", results.get("sampling_label", "greedy")),
+        ("samples per prompt", results.get("samples_per_prompt", 1)),
     ]
     rows += [(f"P(position {k} accepted | earlier accepted)", "-" if p is None else f"{p:.3f}")
              for k, p in enumerate(results["position_acceptance"], start=1)]
@@ -108,6 +110,11 @@ def score_table(results: dict) -> list[dict]:
              for c, x in results["projected_speedup"].items()]
     if "baseline" in results:
         rows.append((f"baseline {results['baseline']['source']} tau macro", f"{results['baseline']['tau_macro']:.3f}"))
+    for row in results.get("block_sweep", ()):
+        rows.append((f"tau macro at block size {row['block_size']}", f"{row['tau_macro']:.3f}"))
+        if "projected_speedup" in row:
+            rows.append((f"projected speedup at block size {row['block_size']} (your step costs)",
+                         f"{row['projected_speedup']:.2f}x"))
     return [{"metric": name, "value": str(value)} for name, value in rows]
 
 
@@ -121,7 +128,9 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     low, high = results["tau_macro_ci95"]
     lines = [f"## {drafter['source']}" + (f" (step {drafter['step']})" if drafter["step"] is not None else ""),
              "", f"**tau {results['tau_macro']:.3f}** (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
-             f"block {results['block_size']}, {results['n_scored_prompts']} prompts", ""]
+             f"block {results['block_size']}, {results['n_scored_prompts']} prompts"
+             + ("" if results.get("sampling_label", "greedy") == "greedy" else
+                f", {results['sampling_label']} ({results.get('samples_per_prompt', 1)} per prompt)"), ""]
     if found is None:
         lines.append("No history for this checkpoint (its store entries were removed).")
     else:
@@ -135,16 +144,20 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
             compared.append(("best other checkpoint", max(candidates, key=lambda r: r.tau_macro)))
         compared += [("baseline", r) for r in group.baselines if r is not row]
         if compared:
-            lines += ["| | checkpoint | step | tau macro | 95% CI | this minus it |", "|---|---|---|---|---|---|"]
+            lines += ["| | checkpoint | step | tau macro | 95% CI | this minus it (paired 95% CI) |",
+                      "|---|---|---|---|---|---|"]
             for name, other in [("this", row), *compared]:
                 ci = other.tau_macro_ci95
-                difference = "-" if other is row else f"{row.tau_macro - other.tau_macro:+.3f}"
+                paired = None if other is row else paired_interval(row, other)
+                difference = "-" if other is row else f"{row.tau_macro - other.tau_macro:+.3f}" + (
+                    f" ({paired[0]:+.2f} to {paired[1]:+.2f})" if paired else "")
                 lines.append(f"| {name} | {other.label} | {other.step if other.step is not None else '-'} | "
                              f"{other.tau_macro:.3f} | {f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'} | "
                              f"{difference} |")
             lines.append("")
         if row.regression:
-            lines.append("**REGRESSION**: the whole 95% interval lies below the best earlier step's.")
+            lines.append("**REGRESSION**: worse than the best earlier step on the same references (the paired 95% "
+                         "interval of the difference lies below 0).")
         elif row.best:
             lines.append("Best step of this run so far." if row.step is not None else
                          "Best checkpoint so far (it has no training step).")
@@ -153,7 +166,8 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
         elif not earlier:
             lines.append("No earlier step to compare with.")
         else:
-            lines.append("No regression: the interval overlaps the best earlier step's.")
+            lines.append("No regression: not worse than the best earlier step on the same references (the paired "
+                         "95% interval of the difference reaches 0 or above).")
     ran = [s for s, status in results["stages"].items() if status == "ran"]
     lines += ["", f"Stages that ran: {', '.join(ran) or 'none (all cached)'}."]
     if served:

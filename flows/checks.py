@@ -13,6 +13,7 @@ The checks only read, except the store's write probe, made last, once everything
 """
 
 import inspect
+import json
 import os
 import stat
 import tempfile
@@ -24,9 +25,10 @@ from transformers import AutoTokenizer
 
 from dflash_core.checkpoint_files import WeightFilesError, has_safetensors, weight_file_problem, weight_files
 from dflash_core.choices import SLIDING_SEMANTICS
-from dflash_core.drafter_config import DrafterConfig, DrafterError, check_compatible
-from dflash_core.prompts import PromptError
+from dflash_core.drafter_config import DrafterConfig, DrafterError, check_block_size, check_compatible
+from dflash_core.prompts import PromptError, read_completions
 from dflash_core.reference.backends import BackendError, open_backend
+from dflash_core.sampling import Sampling
 from dflash_core.target import read_target_config
 from dflash_eval.flows.choices import DEVICES, STAGES
 from dflash_eval.storage import Store
@@ -52,6 +54,8 @@ class CheckedInputs:
     baseline: DrafterConfig | None
     n_prompts: int
     num_target_layers: int
+    sampling: Sampling  # the references' sampling (greedy at temperature 0)
+    step_costs: dict[int, float] | None  # --step-cost: a speculative step's cost per block size (plain step = 1)
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,11 @@ class EvaluationInputs:
     settle_seconds: float | None
     replay_group: int
     dask_address: str | None
+    samples: int  # sampled completions per prompt (1 when greedy)
+    seed: int
+    references: str | None  # a completions file stored as the references instead of generating them
+    block_size: int | None  # verified tokens per step; None: the drafter's block size
+    block_sizes: tuple[int, ...]  # --block-sizes: also drafted and scored at each of these (a sweep)
     checked: CheckedInputs
 
     def runs(self, stage: str) -> bool:
@@ -96,20 +105,20 @@ def check_inputs(
     sliding_semantics: str, thinking: bool, reference: str, relay_token_file: str | None, baseline: str | None,
     reference_api_key_file: str | None, drafter_config: str | None, include: list[str] | None,
     checkpoint_wait: float | None, settle_seconds: float | None, until: str, refresh: list[str] | None,
-    temperature: float = 0.0,
+    temperature: float, top_k: int, top_p: float, min_p: float, samples: int, seed: int, lookahead: bool,
+    block_size: int | None, references: str | None, block_sizes: list[int] | None, step_cost: str | None,
 ) -> CheckedInputs:
     """Read everything an evaluation with these flow parameters needs: raises InputError on bad input.
 
     A reference server is asked who it is and checked against the target's tokenizer here, so a
     mismatched or dead server, or one that refuses the API key (or its absence), is refused before
-    any stage stores anything. `temperature` is the command line's (the flow has none: it is greedy)."""
+    any stage stores anything."""
     if problem := store_problem(store):
         raise InputError(problem)
-    if temperature != 0:
-        raise InputError(
-            f"--temperature {temperature}: only greedy decoding (temperature 0) is evaluated; at any other temperature "
-            "the references are samples, and replaying them would not equal speculative decoding"
-        )
+    sampling = check_sampling(temperature, top_k, top_p, min_p, samples, seed, lookahead)
+    if references is not None and (reference != "local" or not sampling.greedy or lookahead):
+        raise InputError("--references FILE gives the completions: leave out --reference, --temperature (and the "
+                         "other sampling options) and --lookahead, which say how to generate them")
     if until not in STAGES:
         raise InputError(f"unknown stage {until!r}: one of {', '.join(STAGES)}")
     if unknown := set(refresh or ()) - set(STAGES):
@@ -150,6 +159,9 @@ def check_inputs(
         check_compatible(drafter_checkpoint, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
     except DrafterError as e:
         raise InputError(f"drafter {drafter} does not fit target {target}: {e}") from None
+    for size in (block_size, *(block_sizes or ())):
+        check_block_size_fits(size, drafter_checkpoint, f"drafter {drafter}")
+    step_costs = read_step_costs(step_cost, block_sizes or [block_size or drafter_checkpoint.block_size])
     baseline_config = None
     if baseline is not None:
         try:
@@ -158,16 +170,22 @@ def check_inputs(
                              target_config.num_layers)
         except DrafterError as e:
             raise InputError(f"baseline drafter {baseline} does not fit target {target}: {e}") from None
-    try:
-        prompt_set = load_prompts(prompts, target, thinking)
-    except PromptError as e:
-        raise InputError(str(e)) from None
-    longest = max(len(p.input_ids) for p in prompt_set)
-    if target_config.max_positions is not None and longest + max_new_tokens > target_config.max_positions:
-        raise InputError(
-            f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds the target's "
-            f"{target_config.max_positions} positions; lower --max-new-tokens or shorten the prompts"
-        )
+        for size in (block_size, *(block_sizes or ())):
+            check_block_size_fits(size, baseline_config, f"baseline drafter {baseline}")
+    if references is not None:
+        n_prompts = check_given_references(references, target, thinking, target_config)
+    else:
+        try:
+            prompt_set = load_prompts(prompts, target, thinking)
+        except PromptError as e:
+            raise InputError(str(e)) from None
+        n_prompts = len(prompt_set)
+        longest = max(len(p.input_ids) for p in prompt_set)
+        if target_config.max_positions is not None and longest + max_new_tokens > target_config.max_positions:
+            raise InputError(
+                f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} exceeds the target's "
+                f"{target_config.max_positions} positions; lower --max-new-tokens or shorten the prompts"
+            )
     if reference != "local":
         try:
             backend = open_backend(reference, AutoTokenizer.from_pretrained(target), api_key_file=reference_api_key_file)
@@ -177,8 +195,77 @@ def check_inputs(
             raise InputError(f"reference server: {e}") from None
     if problem := store_write_problem(Store(store).root.absolute()):  # last: it creates the store
         raise InputError(problem)
-    return CheckedInputs(drafter=drafter_checkpoint, baseline=baseline_config, n_prompts=len(prompt_set),
-                         num_target_layers=target_config.num_layers)
+    return CheckedInputs(drafter=drafter_checkpoint, baseline=baseline_config, n_prompts=n_prompts,
+                         num_target_layers=target_config.num_layers, sampling=sampling, step_costs=step_costs)
+
+
+def read_step_costs(path: str | None, block_sizes: list[int]) -> dict[int, float] | None:
+    """A --step-cost file: {"<b>": cost of one speculative step verifying b tokens, relative to one plain decode
+    step, measured on the serving box}, one for each block size evaluated; None without a file."""
+    if path is None:
+        return None
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"--step-cost {path}: cannot read it as JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise InputError(f'--step-cost {path}: must be a JSON object {{"<block size>": <relative step cost>}}')
+    costs = {}
+    for key, value in raw.items():
+        if not key.isdigit() or isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InputError(f"--step-cost {path}: {key!r}: {value!r}: keys are block sizes, values positive costs "
+                             "relative to one plain decode step")
+        costs[int(key)] = float(value)
+    if missing := sorted(set(block_sizes) - set(costs)):
+        raise InputError(f"--step-cost {path}: no cost for block size {', '.join(map(str, missing))}")
+    return costs
+
+
+def check_given_references(path: str, target: str, thinking: bool, target_config) -> int:
+    """Read a --references file as the references stage will (InputError naming the file, line and field);
+    each prompt + completion must fit the target's context. Returns its number of completions."""
+    try:
+        completions = read_completions(path, target_tokenizer(target), thinking=thinking,
+                                       vocab_size=target_config.vocab_size)
+    except PromptError as e:
+        raise InputError(f"--references {e}") from None
+    longest = max(completions, key=lambda c: len(c.input_ids) + len(c.completion_ids))
+    if target_config.max_positions is not None and \
+            len(longest.input_ids) + len(longest.completion_ids) > target_config.max_positions:
+        raise InputError(f"--references {path}: {longest.id} holds {len(longest.input_ids)} prompt and "
+                         f"{len(longest.completion_ids)} completion tokens, more than the target's "
+                         f"{target_config.max_positions} positions; leave it out or shorten it")
+    return len(completions)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float, min_p: float, samples: int, seed: int,
+                   lookahead: bool) -> Sampling:
+    """The references' sampling settings, or InputError saying which one is out of range."""
+    try:
+        sampling = Sampling(temperature, top_k, top_p, min_p)
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise InputError(f"--samples must be a whole number of at least 1, got {samples!r}")
+    if sampling.greedy and samples != 1:
+        raise InputError(f"--samples {samples}: greedy completions (temperature 0) are all the same; set "
+                         "--temperature above 0 to sample several per prompt")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise InputError(f"--seed must be a whole number of 0 or more, got {seed!r}")
+    if lookahead and not sampling.greedy:
+        raise InputError("--lookahead applies to greedy references: tokens sampled past a stop are not the ones a "
+                         "served run draws; leave it off with --temperature above 0")
+    return sampling
+
+
+def check_block_size_fits(block_size: int | None, config: DrafterConfig, which: str) -> None:
+    """Refuse a --block-size the drafter cannot draft (it drafts at most its own block size)."""
+    if block_size is None:
+        return
+    try:
+        check_block_size(block_size, config.block_size)
+    except ValueError as e:
+        raise InputError(f"--block-size for {which}: {e}") from None
 
 
 def _read_drafter_source(drafter: str, tokenizer, drafter_config: str | None = None, **wait_options) -> DrafterConfig:
@@ -256,25 +343,24 @@ def store_write_problem(root: Path) -> str | None:
     return None
 
 
-# The flow parameters check_inputs reads (all of its own but the command line's temperature).
-CHECKED_PARAMETERS = tuple(name for name in inspect.signature(check_inputs).parameters if name != "temperature")
+# The flow parameters check_inputs reads.
+CHECKED_PARAMETERS = tuple(inspect.signature(check_inputs).parameters)
 
 
-def check_evaluation(parameters: dict, temperature: float = 0.0) -> EvaluationInputs:
+def check_evaluation(parameters: dict) -> EvaluationInputs:
     """Normalise and check the parameters of an evaluate-checkpoint run (all of them, its defaults filled in):
     the record the flow wires its tasks with, or InputError naming what is wrong. A Dask scheduler is asked
-    first (a dead one gets one message, nothing computed); `temperature` is the command line's (the flow has
-    none: it is greedy)."""
+    first (a dead one gets one message, nothing computed)."""
     p = dict(parameters)
     # a deployment's templated parameters arrive as "" when their variable is unset
     p["reference"] = p["reference"] or "local"
-    for name in ("drafter_config", "reference_api_key_file", "dask_address"):
+    for name in ("drafter_config", "reference_api_key_file", "dask_address", "references", "step_cost"):
         p[name] = p[name] or None
     replay_group = p["replay_group"]
     if isinstance(replay_group, bool) or not isinstance(replay_group, int) or replay_group < 1:
         raise InputError(f"replay_group must be a whole number of at least 1, got {replay_group!r}")
     check_dask_address(p["dask_address"])
-    checked = check_inputs(**{name: p[name] for name in CHECKED_PARAMETERS}, temperature=temperature)
+    checked = check_inputs(**{name: p[name] for name in CHECKED_PARAMETERS})
     try:
         dtype = resolve_dtype(p["dtype"], p["target"])
     except ValueError as e:
@@ -289,6 +375,10 @@ def check_evaluation(parameters: dict, temperature: float = 0.0) -> EvaluationIn
         reference_api_key_file=p["reference_api_key_file"], drafter_config=p["drafter_config"],
         include=tuple(p["include"]) if p["include"] else None, checkpoint_wait=p["checkpoint_wait"],
         settle_seconds=p["settle_seconds"], replay_group=replay_group, dask_address=p["dask_address"],
+        samples=p["samples"], seed=p["seed"], block_size=p["block_size"], references=p["references"],
+        # a step cost alone projects the speedup at the one block size evaluated
+        block_sizes=tuple(sorted(set(p["block_sizes"] or ())))
+        or ((p["block_size"] or checked.drafter.block_size,) if p["step_cost"] else ()),
         checked=checked)
 
 

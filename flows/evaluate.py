@@ -55,14 +55,16 @@ SlidingSemantics = Literal[SLIDING_SEMANTICS]  # type: ignore[valid-type]
 def evaluate(inputs: EvaluationInputs):
     """Run the stages of one checked evaluation in order, each a Prefect task that computes only what the
     store lacks; once scored, publish the results and return them in a Completed state whose message is tau."""
-    _add_tags(run_tags(inputs.target, inputs.prompts, source_step(inputs.drafter), inputs.stages[-1], inputs.refresh))
+    _add_tags(run_tags(inputs.target, inputs.prompts, source_step(inputs.drafter), inputs.stages[-1], inputs.refresh)
+              + served_tags(inputs))
     _log_dtype(inputs)
     store, target, refresh, runs = inputs.store_location, inputs.target, inputs.refresh, StageRuns()
     on_device = {"dtype": inputs.dtype.name, "device": inputs.device}
     waits = {"relay_token_file": inputs.relay_token_file, "wait_seconds": inputs.checkpoint_wait,
              "settle_seconds": inputs.settle_seconds}
     replays = {"sliding_semantics": inputs.sliding_semantics, "all_positions": inputs.all_positions,
-               "replay_group": inputs.replay_group, "dask_address": inputs.dask_address, **on_device}
+               "replay_group": inputs.replay_group, "dask_address": inputs.dask_address,
+               "block_size": inputs.block_size, **on_device}
     checkpoint = baseline = refs = features = drafts = scores = None
     if inputs.runs("fetch"):
         checkpoint = runs.add("fetch", fetch_checkpoint(
@@ -77,6 +79,7 @@ def evaluate(inputs: EvaluationInputs):
             target, inputs.prompts, inputs.max_new_tokens, store, reference=inputs.reference,
             lookahead=inputs.checked.drafter.block_size - 1 if inputs.lookahead else 0, thinking=inputs.thinking,
             concurrency=inputs.concurrency, reference_api_key_file=inputs.reference_api_key_file,
+            sampling=inputs.checked.sampling, samples=inputs.samples, seed=inputs.seed, given=inputs.references,
             refresh="references" in refresh, return_state=True, **on_device))
     if inputs.runs("features"):
         features = runs.add("features", extract_target_features(
@@ -87,6 +90,10 @@ def evaluate(inputs: EvaluationInputs):
                                           return_state=True, **replays))
     if inputs.runs("scores"):
         scores = runs.add("scores", score(drafts, refs, store, refresh="scores" in refresh, return_state=True))
+    for b in inputs.block_sizes if inputs.runs("scores") else ():
+        swept = runs.add(f"drafts b{b}", draft(checkpoint, features, refs, target, store, refresh="drafts" in refresh,
+                                               return_state=True, **{**replays, "block_size": b}))
+        runs.add(f"scores b{b}", score(swept, refs, store, refresh="scores" in refresh, return_state=True))
     if baseline is not None:
         baseline_drafts = runs.add("baseline drafts", draft(baseline, features, refs, target, store,
                                                             refresh="drafts" in refresh, return_state=True, **replays))
@@ -160,6 +167,16 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
         threads: int | None = None,
         replay_group: int = DEFAULT_REPLAY_GROUP,
         dask_address: str | None = None,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        samples: int = 1,
+        seed: int = 0,
+        block_size: int | None = None,
+        references: str | None = None,
+        block_sizes: list[int] | None = None,
+        step_cost: str | None = None,
     ) -> dict:
         """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
@@ -171,7 +188,7 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
             drafter: The checkpoint to score: a folder (HF export or SpecForge save) or a relay URL
                 (http://relay:8700/run1/step_1000).
             prompts: A JSONL file of prompts on this machine, or a shipped suite (math, code, chat, multiturn).
-            max_new_tokens: Greedy tokens generated per prompt for the references.
+            max_new_tokens: Tokens generated per prompt (and sample) for the references.
             store: The store's folder or s3://BUCKET/PREFIX (default $DFLASH_STORE, else ./.dflash-store).
             dtype: auto (the target checkpoint's own; float16 ones compute in float32), float32 or bfloat16;
                 resolved once before any stage (the results record the resolved name).
@@ -179,7 +196,7 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
             sliding_semantics: Sliding drafter layers: causal (training, serving) or non_causal (earlier z-lab
                 reference); a drafter config's is_causal overrides it.
             thinking: enable_thinking in the target's chat template.
-            reference: Where greedy references come from: local (the target here), sglang+http://HOST:PORT or
+            reference: Where references come from: local (the target here), sglang+http://HOST:PORT or
                 openai+http://HOST:PORT/v1.
             lookahead: Keep B-1 greedy tokens past each completion, so its last step is scored against a whole
                 block.
@@ -205,6 +222,23 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
             dask_address: A Dask scheduler (tcp://HOST:PORT) whose workers compute the features and drafts
                 stages, shard by shard (empty: this process). The workers need this package, the store and the
                 target at the same path.
+            temperature: The temperature the target is served at: 0 (greedy references), or above 0 (`samples`
+                sampled references per prompt; the replay over each gives the acceptance of the online loop
+                that emitted it, so tau is their mean).
+            top_k: Keep the top_k most likely tokens (0: off); SGLang's order: temperature, top-k, top-p, min-p.
+            top_p: Keep the most likely tokens holding this much mass, in (0, 1] (1: off).
+            min_p: Drop tokens below this fraction of the most likely one's probability (0: off).
+            samples: Sampled completions per prompt (1 when greedy).
+            seed: Seed of the sampled completions (each request's follows from it, the prompt and the sample).
+            block_size: Tokens verified per step, 2 .. the drafter's block size (SGLang's
+                --speculative-num-draft-tokens); the drafter drafts blocks of this size (empty: its own).
+            references: A completions file on this machine (e.g. a server's logged outputs; see
+                dflash_core.prompts.read_completions) stored as the references instead of generating them;
+                `prompts` then only names the series.
+            block_sizes: Also draft and score at each of these block sizes (one drafts entry each, sharing the
+                features): tau(b), tau(b)/b and, with `step_cost`, the projected speedup per b.
+            step_cost: A JSON file {"<b>": cost of one speculative step verifying b tokens relative to one plain
+                decode step}, measured on the serving box: the projected speedup tau(b) / cost(b).
         """
         return evaluate(checked or check_evaluation(locals()))
 
@@ -254,9 +288,32 @@ def run_tags(target: str, prompts: str, step: int | None, until: str = "scores",
     return tags
 
 
+def served_tags(inputs: EvaluationInputs) -> list[str]:
+    """Tags naming how the run is served, when not greedy at the drafter's own block size (the run name says it
+    too): `sampling:<settings>`, `samples:<N>`, `block-size:<b>`."""
+    tags = []
+    if not inputs.checked.sampling.greedy:
+        tags += [f"sampling:{inputs.checked.sampling.describe()}", f"samples:{inputs.samples}"]
+    if inputs.block_size is not None:
+        tags.append(f"block-size:{inputs.block_size}")
+    return tags
+
+
+def served_as(parameters: dict) -> str:
+    """What a run name adds for how it is served: "" (greedy, the drafter's block size), else e.g.
+    " T=0.6 x8" (8 samples per prompt) and " b4" (blocks of 4)."""
+    name = ""
+    if parameters.get("temperature"):
+        name += f" T={parameters['temperature']:g} x{parameters.get('samples', 1)}"
+    if parameters.get("block_size"):
+        name += f" b{parameters['block_size']}"
+    return name
+
+
 def _run_name() -> str:
     parameters = flow_run.parameters
-    return run_name(parameters.get("drafter", ""), parameters.get("until", "scores"), parameters.get("refresh"))
+    return (run_name(parameters.get("drafter", ""), parameters.get("until", "scores"), parameters.get("refresh"))
+            + served_as(parameters))
 
 
 def _add_tags(tags: list[str]) -> None:

@@ -1,11 +1,14 @@
 """Every scored checkpoint in a store, by training step: is the newest save better than the best so far?
 
 Rows come from the store alone (scores -> drafts -> fetch, features entries), grouped by what makes
-taus comparable: the same target and references (the features entry) and the same sliding-layer
-semantics. Order: checkpoints with a training step by step; checkpoints without one (an untrained
+taus comparable: the same target and references (the features entry: greedy, or sampled with one
+setting), the same sliding-layer semantics, and the same block size chosen with --block-size (without
+it, each drafter verifies its own block size, and drafters of different block sizes compare). Order: checkpoints with a training step by step; checkpoints without one (an untrained
 drafter, a final export) by when they were first scored (the scores entry's commit time), never by
-path. A checkpoint is flagged as a regression when its whole 95% interval lies below the interval of
-the best checkpoint of an earlier step (bootstrap over prompts, dflash_core.metrics); a checkpoint
+path. A checkpoint is flagged as a regression when it is worse than the best checkpoint of an earlier
+step on the same references: the 95% interval of the per-reference difference (paired bootstrap over
+prompts, and samples within a prompt: dflash_core.metrics) lies below 0 (scores written before they kept
+per-reference taus: when its whole interval lies below the best earlier step's); a checkpoint
 without a step is never flagged, as its place among the steps is unknown. Baseline drafters (a
 `baselines` entry holds their checkpoint key, written by `dflash-eval run --baseline`) are rows of
 their own, after the others: never the best, never a regression.
@@ -20,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dflash_core.metrics import paired_difference_interval
+from dflash_core.sampling import Sampling
 from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, read_json
 from dflash_eval.storage.integrity import StaleEntryWarning, stale_upstream
 from dflash_eval.storage.schema import (
@@ -52,8 +57,10 @@ class HistoryRow:
     tau_pooled: float
     all_positions_tau: float | None  # None unless scored in all-positions mode
     baseline: bool
+    # per reference scored: (id, the prompt it samples, tau); empty for scores without per-reference taus
+    per_reference: tuple[tuple[str, str, float], ...] = ()
     best: bool = False  # the best candidate of its group
-    regression: bool = False  # its whole interval lies below the best earlier step's
+    regression: bool = False  # worse than the best earlier step's (the module docstring)
 
     @property
     def mark(self) -> str:
@@ -67,11 +74,13 @@ class HistoryRow:
 
 @dataclass
 class Group:
-    """Checkpoints scored against one target, one reference set and one sliding-layer semantics."""
+    """Checkpoints scored against one target, one reference set, one sliding-layer semantics and block size."""
 
     features: str  # features key (target + references)
     sliding_semantics: str
+    chosen_block_size: int | None  # --block-size; None: each drafter's own
     title: str  # "<target> on <prompts>", for people
+    setting: str  # how it is served, in short: "greedy", "T=0.6 top-k 20 x8", "greedy, blocks of 4", ...
     rows: list[HistoryRow] = field(default_factory=list)  # candidates in history order (module doc), then baselines
 
     @property
@@ -89,7 +98,7 @@ class Group:
 
 def history(store: Store) -> list[Group]:
     """Every group of comparable scores, its rows in history order with the best one and regressions marked."""
-    groups: dict[tuple[str, str], Group] = {}
+    groups: dict[tuple[str, str, int | None], Group] = {}
     for key in store.keys(Stage.SCORES):
         try:
             entry = store.read_entry(Stage.SCORES, key)  # verifies scores.json (a damaged one is warned about)
@@ -109,10 +118,9 @@ def history(store: Store) -> list[Group]:
             warnings.warn(f"history: skipping scores/{key}: stale, built on {', '.join(changed)}, whose content "
                           "has changed since; the next run scores it again", StaleEntryWarning, stacklevel=2)
             continue
-        group_key = (drafts.features, drafts.sliding_semantics)
+        group_key = (drafts.features, drafts.sliding_semantics, drafts.chosen_block_size)
         if group_key not in groups:
-            groups[group_key] = Group(drafts.features, drafts.sliding_semantics,
-                                      _title(store, drafts.features, drafts.sliding_semantics))
+            groups[group_key] = Group(*group_key, *_describe(store, *group_key))
         rows = groups[group_key].rows
         ci = scores.get("tau_macro_ci95")
         row = HistoryRow(
@@ -121,6 +129,8 @@ def history(store: Store) -> list[Group]:
             scored_at=scored_at, tau_macro=scores["tau_macro"], tau_macro_ci95=tuple(ci) if ci else None,
             tau_pooled=scores["tau_pooled"], all_positions_tau=scores.get("all_positions_tau"),
             baseline=store.is_complete(Stage.BASELINES, drafts.checkpoint),
+            per_reference=tuple((p["id"], p.get("prompt") or p["id"], p["tau"]) for p in scores.get("per_prompt", ())
+                                if p.get("tau") is not None),
         )
         same = next((r for r in rows if r.checkpoint == row.checkpoint), None)
         if same is not None:  # scored in decode and in all-positions mode: the same decode path, keep the richer
@@ -139,13 +149,26 @@ def history(store: Store) -> list[Group]:
 
 
 def _regressed(row: HistoryRow, stepped: list[HistoryRow]) -> bool:
-    """Whether the whole interval of `row` lies below that of the best of the `stepped` candidates of an earlier
-    step: only against steps known to come before it, so a row without a step (or a baseline) never is."""
-    if row.baseline or row.step is None or not row.tau_macro_ci95:
+    """Whether `row` is worse than the best of the `stepped` candidates of an earlier step (paired_interval
+    below 0; without per-reference taus, its whole interval below the other's): only against steps known to
+    come before it, so a row without a step (or a baseline) never is."""
+    if row.baseline or row.step is None:
         return False
     best_earlier = max((r for r in stepped if r.step < row.step), key=lambda r: r.tau_macro, default=None)
-    return bool(best_earlier and best_earlier.tau_macro_ci95
+    if best_earlier is None:
+        return False
+    if (paired := paired_interval(row, best_earlier)) is not None:
+        return paired[1] < 0
+    return bool(row.tau_macro_ci95 and best_earlier.tau_macro_ci95
                 and row.tau_macro_ci95[1] < best_earlier.tau_macro_ci95[0])
+
+
+def paired_interval(row: HistoryRow, other: HistoryRow) -> tuple[float, float] | None:
+    """95% interval of row's tau minus other's, paired on the references both scored (the same in a group);
+    None when either lacks per-reference taus or they share no reference."""
+    theirs = {ref: tau for ref, _, tau in other.per_reference}
+    pairs = [(prompt, tau, theirs[ref]) for ref, prompt, tau in row.per_reference if ref in theirs]
+    return paired_difference_interval(pairs) if pairs else None
 
 
 def in_history_order(rows: list[HistoryRow]) -> list[HistoryRow]:
@@ -170,17 +193,35 @@ def find_group(groups: list[Group], scores_key: str) -> tuple[Group, HistoryRow]
     return None
 
 
-def _title(store: Store, features_key: str, sliding_semantics: str) -> str:
+def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None) -> tuple[str, str]:
+    """A group's (title, setting): the title for people, the setting in short (how the references were made,
+    the block size when chosen)."""
+    blocks = f", blocks of {chosen_block_size}" if chosen_block_size else ""
     try:
         # a title only: records, no files read
         features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, features_key, verify=False))
         references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
                                                                     verify=False))
     except (EntryMissing, KeyError):
-        return f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
+        return f"features {features_key[:12]} ({sliding_semantics} sliding layers)", f"features {features_key[:12]}"
     target = Path(references.target or "").name or "target"  # entries from before it was recorded
     prompts = Path(references.prompts).name or "prompts"
-    return f"{target} on {prompts}, {references.max_new_tokens} new tokens ({sliding_semantics} sliding layers)"
+    if references.backend.get("kind") == "given":
+        made = "given completions"
+    else:
+        made = sampling_label(references.sampling)
+    served = "" if made == "greedy" else f", {made}"
+    title = f"{target} on {prompts}, {references.max_new_tokens} new tokens{served}{blocks} ({sliding_semantics} sliding layers)"
+    short = made if not references.sampling else f"{made.split(',')[0]} x{references.sampling['samples']}"
+    return title, short + blocks
+
+
+def sampling_label(sampling: dict | None) -> str:
+    """How a references record's sampling reads: "greedy", or e.g. "T=0.6 top-k 20, 8 samples per prompt"."""
+    if not sampling:
+        return "greedy"
+    settings = Sampling(sampling["temperature"], sampling["top_k"], sampling["top_p"], sampling["min_p"])
+    return f"{settings.describe()}, {sampling['samples']} samples per prompt (seed {sampling['seed']})"
 
 
 def source_name(source: str) -> str:

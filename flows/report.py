@@ -130,12 +130,22 @@ class GroupSection:
 
 
 @dataclass(frozen=True)
+class SideBySide:
+    """Checkpoints evaluated at more than one setting (greedy, sampled, a block size: flows.history groups),
+    their tau macro at each: `columns` are the groups' settings, each row (checkpoint label, tau or None)."""
+
+    columns: list[str]
+    rows: list[tuple[str, list[float | None]]]
+
+
+@dataclass(frozen=True)
 class Report:
     """What the report shows, rendered by templates/report.j2."""
 
     store: str  # its location: a folder, or s3://...
     written: datetime  # UTC
     groups: list[GroupSection]
+    side_by_side: SideBySide | None  # None: no checkpoint was evaluated at two settings
 
     def plots(self) -> list[Plot]:
         """Every plot of the report."""
@@ -153,7 +163,8 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
     diagnostics = _diagnostics_by_checkpoint(store)
     report = Report(store=store.location, written=datetime.now(UTC),
                     groups=[_group_section(group, f"group{index}", max(1, last), diagnostics)
-                            for index, group in enumerate(groups, start=1)])
+                            for index, group in enumerate(groups, start=1)],
+                    side_by_side=side_by_side(groups))
 
     out_dir = Path(out_dir)
     files = {out_dir / plot.file: plot.png for plot in report.plots()}
@@ -163,6 +174,26 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
         write_bytes_atomic(path, data)
         os.chmod(path, 0o644)  # a report is for reading by others (the atomic write creates 0600 files)
     return out_dir / "report.html"
+
+
+def side_by_side(groups: list[Group]) -> SideBySide | None:
+    """Each checkpoint scored at more than one setting (groups of different `setting`: greedy or sampled, a
+    chosen block size), with its tau macro in every such group (None where it was not scored), in the groups'
+    order; None when there is no such checkpoint."""
+    seen: dict[str, list[Group]] = {}
+    for group in groups:
+        for row in group.rows:
+            seen.setdefault(row.checkpoint, []).append(group)
+    shared = [key for key, found in seen.items() if len({g.setting for g in found}) > 1]
+    if not shared:
+        return None
+    columns = [g for g in groups if any(g in seen[key] for key in shared)]
+    rows = []
+    for key in shared:
+        by_group = {id(g): r for g in columns for r in g.rows if r.checkpoint == key}
+        label = next(iter(by_group.values())).label
+        rows.append((label, [by_group[id(g)].tau_macro if id(g) in by_group else None for g in columns]))
+    return SideBySide([f"{g.setting} (group {groups.index(g) + 1})" for g in columns], rows)
 
 
 def _render(report: Report, form: str) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 from prefect.states import State
 
 from dflash_core.choices import DEFAULT_REPLAY_GROUP
+from dflash_core.sampling import Sampling
 from dflash_eval.storage import read_json
 from dflash_eval.tasks.fetch import source_step
 
@@ -56,6 +57,14 @@ def evaluation_results(inputs: EvaluationInputs, runs: StageRuns) -> dict:
         "stages": dict(runs.statuses),
         "keys": {name: record.key for name, record in out.items()},
     })
+    if not inputs.checked.sampling.greedy:  # (only then: greedy results stay as they were)
+        results["sampling"] = {**inputs.checked.sampling.identity(), "samples": inputs.samples, "seed": inputs.seed}
+    if inputs.block_size is not None:
+        results["chosen_block_size"] = inputs.block_size
+    if inputs.references is not None:
+        results["references_file"] = inputs.references
+    if inputs.block_sizes:
+        results["block_sweep"] = block_sweep(inputs, runs)
     if inputs.replay_group != DEFAULT_REPLAY_GROUP:  # (only then: results of other runs stay as they were)
         results["replay_group"] = inputs.replay_group
     if inputs.dask_address:
@@ -73,9 +82,29 @@ def evaluation_results(inputs: EvaluationInputs, runs: StageRuns) -> dict:
     return results
 
 
+def block_sweep(inputs: EvaluationInputs, runs: StageRuns) -> list[dict]:
+    """Per block size swept: tau macro (interval) and pooled, tau per verified token and, given step costs,
+    the projected speedup tau(b) / cost(b) (projected: the costs are the user's measurements)."""
+    rows = []
+    for b in inputs.block_sizes:
+        scores = read_json(runs.outputs[f"scores b{b}"].path)
+        row = {"block_size": b, **{k: scores[k] for k in ("tau_macro", "tau_macro_ci95", "tau_pooled")},
+               "tau_per_token": scores["tau_macro"] / b}
+        if inputs.checked.step_costs:
+            row["projected_speedup"] = scores["tau_macro"] / inputs.checked.step_costs[b]
+        rows.append(row)
+    return rows
+
+
 def outcome(results: dict) -> str:
     """One line with what an evaluation found: the final log line and the flow run's state message."""
     low, high = results["tau_macro_ci95"]
     step = results["drafter"]["step"]
-    return (f"tau {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
-            + (f"step {step}" if step is not None else "no step"))
+    served = ""
+    if sampling := results.get("sampling"):
+        settings = Sampling(*(sampling[k] for k in ("temperature", "top_k", "top_p", "min_p")))
+        served += f" at {settings.describe()} ({sampling['samples']} samples per prompt)"
+    if "chosen_block_size" in results:
+        served += f", blocks of {results['chosen_block_size']}"
+    return (f"tau {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}){served}, pooled "
+            f"{results['tau_pooled']:.3f}, " + (f"step {step}" if step is not None else "no step"))

@@ -83,7 +83,8 @@ class FetchRecord(_Record):
 
 @dataclass(frozen=True)
 class ReferencesRecord(_Record):
-    """Greedy references of a prompt set (tasks/references.py): seq_<n>.json per prompt."""
+    """References of a prompt set (tasks/references.py): seq_<n>.json per prompt (per sample of a prompt when
+    sampled: n = prompt * samples + sample)."""
 
     n_prompts: int
     n: int  # references: a multi-turn prompt has one per turn
@@ -95,6 +96,8 @@ class ReferencesRecord(_Record):
     unverified: int  # references a server gave as text whose re-tokenisation did not round-trip
     target: str | None = None  # the target folder; None in entries from before it was recorded
     backend_fingerprint: str | None = _written_when_set()  # digest of a server's fingerprint (none when local)
+    # sampled references: the settings, samples per prompt and seed (dflash_core.sampling); None: greedy
+    sampling: dict[str, Any] | None = _written_when_set()
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,11 @@ class DraftsRecord(_Record):
 
     checkpoint: str  # the fetch key
     features: str  # the features key
-    block_size: int
+    block_size: int  # the block size drafted and verified
     sliding_semantics: str
     layer_ids: tuple[int, ...]  # the target layers the drafter reads
+    # --block-size: the tokens verified per step when not the drafter's own block size; None: its own
+    chosen_block_size: int | None = _written_when_set()
     # drafted on a Dask cluster (--dask): per shard (one replay group), its prompts [start, stop) and the
     # worker that drafted it (tasks/cluster.py); None when drafted in the flow's own process
     shards: tuple[dict[str, Any], ...] | None = _written_when_set()

@@ -84,16 +84,20 @@ def draft(
     refresh: bool = False,
     replay_group: int = PROMPTS_PER_GROUP,
     dask_address: str | None = None,
+    block_size: int | None = None,
 ):
     """Acceptance lengths per prompt, in decode order (drafted against the references, no target run);
-    all_positions: also the acceptance length of a block at every position (dflash_core.replay).
+    all_positions: also the acceptance length of a block at every position (dflash_core.replay);
+    block_size: verify blocks of this many tokens (<= the drafter's; None: the drafter's own).
     replay_group: prompts replayed together (see the module docstring); dask_address: draft each group on
     a worker of that Dask cluster (`target_dir` must be the same path on every worker)."""
     store = Store(store_location)
     config = checkpoint.config
+    chosen = block_size if block_size not in (None, config.block_size) else None  # a history series of its own
+    block_size = chosen or config.block_size
     key = key_of({
         "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
-        "block_size": config.block_size, "sliding_semantics": sliding_semantics,
+        "block_size": block_size, "sliding_semantics": sliding_semantics,
         "mode": "all_positions" if all_positions else "decode",
         "dtype": dtype, "device": torch.device(device).type, "replay": REPLAY_VERSION,
         # only when not the default: the keys of entries drafted before it was a setting stay as they were
@@ -102,16 +106,16 @@ def draft(
     labels = [entry_label(Stage.FETCH, checkpoint.key), entry_label(Stage.REFERENCES, refs.key),
               features_label(features.key, config.target_layer_ids, features.n)]
     groups = replay_groups(refs.n, replay_group)
-    models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device)
+    models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device, block_size)
 
     def compute_on_cluster(entry: Path) -> dict:
         verify_checkpoint(store, checkpoint)
         per_prompt, shards = draft_on_cluster(dask_address, store, key, models, features, refs, groups, labels,
                                               all_positions=all_positions, refresh=refresh)
         write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
-        return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=config.block_size,
+        return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=block_size,
                             sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids),
-                            shards=shards).to_record()
+                            chosen_block_size=chosen, shards=shards).to_record()
 
     def compute(entry: Path) -> dict:
         verify_checkpoint(store, checkpoint)
@@ -121,11 +125,12 @@ def draft(
         per_prompt: list[dict] = []
         with StageProgress(STAGE, "prompts drafted", len(items)) as progress, replay_threads(drafter, len(items)):
             for start, stop in groups:
-                per_prompt += draft_group(drafter, embed, lm_head, items, reader, start, stop, all_positions)
+                per_prompt += draft_group(models, drafter, embed, lm_head, items, reader, start, stop, all_positions)
                 progress.update(len(per_prompt))
         write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
-        return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=config.block_size,
-                            sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids)).to_record()
+        return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=block_size,
+                            sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids),
+                            chosen_block_size=chosen).to_record()
 
     # on a cluster the workers compute: this process takes no heavy-stage slot
     outcome = get_or_compute(store, STAGE, key, compute_on_cluster if dask_address else heavy(compute),
@@ -140,13 +145,15 @@ def draft(
 
 @dataclass(frozen=True)
 class ReplayModels:
-    """What a replay computes with: the fetched drafter and the target's embedding and lm_head."""
+    """What a replay computes with: the fetched drafter and the target's embedding and lm_head, and the block
+    size it drafts."""
 
     checkpoint: Checkpoint
     target_dir: str
     sliding_semantics: str
     dtype: str
     device: str
+    block_size: int
 
     def drafter(self, checkpoint_dir: Path | None = None) -> DFlashDrafter:
         """The drafter, from `checkpoint_dir` (a worker's own copy of the fetch entry), else from the
@@ -166,8 +173,9 @@ class ReplayModels:
         return drafter, embed, lm_head
 
 
-def draft_group(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, items: list[ReferenceItem],
-                reader: FeatureReader, start: int, stop: int, all_positions: bool) -> list[dict]:
+def draft_group(models: ReplayModels, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
+                items: list[ReferenceItem], reader: FeatureReader, start: int, stop: int,
+                all_positions: bool) -> list[dict]:
     """Replay prompts start .. stop-1 of `items` (one replay group) together; returns their drafts.json
     `per_prompt` items. The one replay loop of the stage: this process's groups and a cluster's shards."""
     # replay reads one prompt's features at a time (a large target's are ~50 KB per token) and keeps only the
@@ -175,7 +183,7 @@ def draft_group(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tens
     group = range(start, stop)
     features = (f.to(embed.device) for f in reader.read_each(drafter.target_layer_ids, group))
     results = replay(drafter, embed, lm_head, [items[n].reference for n in group], features,
-                     all_positions=all_positions)
+                     all_positions=all_positions, block_size=models.block_size)
     return per_prompt_items(items[start:stop], results)
 
 
@@ -206,8 +214,8 @@ def draft_shard(store_location: str, drafts_key: str, models: ReplayModels, feat
         check_compatible(drafter.cfg, embed.shape[1], embed.shape[0])
         reader = FeatureReader(features, local_refs, models.target_dir, store, models.dtype, models.device)
         with replay_threads(drafter, stop - start):
-            per_prompt = draft_group(drafter, embed, lm_head, load_references(local_refs), reader, start, stop,
-                                     all_positions)
+            per_prompt = draft_group(models, drafter, embed, lm_head, load_references(local_refs), reader, start,
+                                     stop, all_positions)
         write_json_atomic(entry / DRAFT_SHARD_FILE, {"per_prompt": per_prompt})
         return DraftShardRecord(drafts=drafts_key, start=start, stop=stop, **worker_identity(),
                                 seconds=round(time.monotonic() - started, 3)).to_record()

@@ -1,7 +1,12 @@
-"""References stage: the target's greedy completion of every prompt, one file per prompt (resumable).
+"""References stage: the target's completions of every prompt, one file per prompt (resumable).
+
+Greedy, or sampled (dflash_core.sampling): then `samples` completions per prompt, each a reference of
+its own named `<id>#s<k>`, each request seeded from (seed, prompt id, sample, turn). The replay over a
+sampled completion gives the acceptance lengths of the online loop that emitted it, so tau at a
+temperature is the mean over samples.
 
 A multi-turn prompt gives one reference per turn: turn k's prompt holds the target's own answers to
-turns 1..k-1. Its items are named `<id>#<k>`.
+turns 1..k-1. Its items are named `<id>#<k>` (`<id>#s<j>#<k>` when sampled).
 
 A server's entry holds `fingerprint.json`: the server's fingerprint (what its model does, not what it
 calls itself) when the entry was begun. It is taken again when the entry is resumed and before it is
@@ -14,7 +19,7 @@ import functools
 import threading
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -22,7 +27,14 @@ from prefect import task
 from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
-from dflash_core.prompts import Prompt, prompt_set_identity, read_prompts, resolve_prompts, turn_prompt_ids
+from dflash_core.prompts import (
+    Prompt,
+    prompt_set_identity,
+    read_completions,
+    read_prompts,
+    resolve_prompts,
+    turn_prompt_ids,
+)
 from dflash_core.reference.backends import (
     TOKENIZER_LOCK,
     BackendError,
@@ -32,6 +44,7 @@ from dflash_core.reference.backends import (
     open_backend,
 )
 from dflash_core.replay import Reference
+from dflash_core.sampling import GREEDY, Sampling, sample_seed
 from dflash_core.target import read_target_config
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.schema import ReferencesRecord, Stage
@@ -47,13 +60,15 @@ FINGERPRINT_FILE = "fingerprint.json"  # the server's fingerprint when the entry
 
 @dataclass(frozen=True)
 class ReferenceSet:
-    """Greedy references of a prompt set, held in the store."""
+    """References of a prompt set, held in the store."""
 
     key: str
-    path: str  # the entry folder: seq_<n>.json per prompt
+    path: str  # the entry folder: seq_<n>.json per prompt and sample
     n_prompts: int
-    n: int  # references (a multi-turn prompt has one per turn)
+    n: int  # references (a multi-turn prompt has one per turn, each sample its own)
     lookahead: int  # greedy tokens kept past each completion's end
+    samples: int = 1  # completions per prompt (1 when greedy)
+    sampling: str = "greedy"  # Sampling.describe() of the settings
 
 
 @dataclass(frozen=True)
@@ -65,6 +80,7 @@ class ReferenceItem:
     reference: Reference  # prompt + completion (+ lookahead) token ids
     finish: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
     verified: bool  # False: a server returned text whose re-tokenisation did not round-trip
+    prompt: str | None = None  # sampled: the prompt (and turn) this is a sample of; None when greedy
 
 
 def load_prompts(prompts: str, target_dir: str, thinking: bool = False) -> list[Prompt]:
@@ -83,18 +99,22 @@ def references_here(store: Store, refs: ReferenceSet) -> ReferenceSet:
 def load_references(refs: ReferenceSet) -> list[ReferenceItem]:
     """Read a reference set back from the store, in prompt (then turn) order."""
     items = []
-    for n in range(refs.n_prompts):
+    for n in range(refs.n_prompts * refs.samples):
         record = read_json(Path(refs.path) / f"seq_{n}.json")
         for k, turn in enumerate(record["turns"], start=1):
-            item_id = record["id"] if len(record["turns"]) == 1 else f"{record['id']}#{k}"
+            suffix = "" if len(record["turns"]) == 1 else f"#{k}"
+            prompt = None if record.get("prompt") is None else record["prompt"] + suffix
             reference = Reference(turn["prompt_len"], turn["token_ids"], turn["completion_end"])
-            items.append(ReferenceItem(item_id, record["category"], reference, turn["finish"], turn["verified"]))
+            items.append(ReferenceItem(record["id"] + suffix, record["category"], reference, turn["finish"],
+                                       turn["verified"], prompt))
     return items
 
 
 def generate_turns(backend, tokenizer, prompt: Prompt, max_new_tokens: int, stop_ids: list[int],
-                   lookahead: int, thinking: bool) -> list[dict]:
-    """Every turn of one prompt: prompt ids, completion (+ lookahead) ids, where the completion ends."""
+                   lookahead: int, thinking: bool, sampling: Sampling = GREEDY, seed: int = 0,
+                   sample: int = 0) -> list[dict]:
+    """Every turn of one prompt (sample `sample` of it when sampled): prompt ids, completion (+ lookahead)
+    ids, where the completion ends."""
     turns, answers = [], []
     for k in range(max(1, len(prompt.turns))):
         if k == 0:
@@ -106,7 +126,8 @@ def generate_turns(backend, tokenizer, prompt: Prompt, max_new_tokens: int, stop
             # past the stop token too (greedy: the tokens before it are the same), then cut there
             completion = backend.generate(prompt_ids, max_new_tokens + lookahead, [])
         else:
-            completion = backend.generate(prompt_ids, max_new_tokens, stop_ids)
+            completion = backend.generate(prompt_ids, max_new_tokens, stop_ids, sampling,
+                                          None if sampling.greedy else sample_seed(seed, prompt.id, sample, k))
         ids = completion.token_ids
         if not ids:
             raise BackendError(f"prompt {prompt.id} turn {k + 1}: the reference backend returned no token")
@@ -182,13 +203,21 @@ def generate_references(
     concurrency: int = 8,
     refresh: bool = False,
     reference_api_key_file: str | None = None,
+    sampling: Sampling = GREEDY,
+    samples: int = 1,
+    seed: int = 0,
+    given: str | None = None,
 ):
-    """Greedy completions, temperature 0, from the target in this process (reference="local") or a
-    server (see dflash_core.reference.backends); lookahead > 0 also keeps that many greedy tokens past
-    each completion's end, so its last decode step is scored against a whole block.
+    """Completions from the target in this process (reference="local") or a server (see
+    dflash_core.reference.backends): greedy, or `samples` per prompt sampled with `sampling`, seeded from
+    `seed`. lookahead > 0 (greedy only) also keeps that many greedy tokens past each completion's end,
+    so its last decode step is scored against a whole block. `given`: a completions file
+    (dflash_core.prompts.read_completions) whose completions are stored instead (prompts_source is not read).
     reference_api_key_file: a file holding the server's API key (else $DFLASH_REFERENCE_API_KEY);
     the key is sent, never part of the references' key."""
     store = Store(store_location)
+    if given is not None:
+        return store_given_references(given, target_dir, store, thinking, refresh)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = read_prompts(resolve_prompts(prompts_source), tokenizer, thinking=thinking,
                            vocab_size=read_target_config(target_dir).vocab_size)
@@ -207,58 +236,103 @@ def generate_references(
     else:
         backend = open_backend(reference, tokenizer, api_key_file=reference_api_key_file, concurrency=concurrency)
         decoding_threads = nullcontext  # the server decodes; this process only tokenizes
+    # (flows/checks.py refuses samples > 1 when greedy, and lookahead when sampled); greedy: {"temperature": 0.0}, the key greedy entries always had
+    sampled = None if sampling.greedy else {**sampling.identity(), "samples": samples, "seed": seed}
     key = key_of({
         "prompts": prompt_set_identity(prompts), "thinking": thinking,
         "target": target_key(target_dir, store), "backend": backend.identity,
-        "sampling": {"temperature": 0.0}, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids,
+        "sampling": sampled or sampling.identity(), "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids,
         "lookahead": lookahead,
     })
+    units = [(n, k) for n in range(len(prompts)) for k in range(samples)]  # file i = n * samples + k
+    if sampled and reference != "local":
+        stage_logger().info(f"sampling {samples} completion(s) per prompt ({sampling.describe()}) from {reference}, "
+                            f"each request with its own seed; a server that ignores seeds still gives valid "
+                            f"samples (the stored completions are what is replayed), only not the same ones "
+                            f"again")
 
     def compute(entry: Path) -> dict:
         # before the resume point is read: a changed server stops here, or empties an unverifiable entry
         fingerprint = None if reference == "local" else begin_fingerprint(entry, backend, reference)
-        todo = [n for n in range(len(prompts)) if not (entry / f"seq_{n}.json").exists()]  # resume
+        todo = [i for i in range(len(units)) if not (entry / f"seq_{i}.json").exists()]  # resume
         written = []
         failed = threading.Event()
 
-        def one_prompt(n):
+        def one_unit(i):
             if failed.is_set():  # after a failure, start no new prompt (those running still finish)
                 return None
+            n, k = units[i]
             with decoding_threads():  # on this worker thread, which is where torch runs the decoding
-                return generate_turns(backend, tokenizer, prompts[n], max_new_tokens, stop_ids, lookahead, thinking)
+                return generate_turns(backend, tokenizer, prompts[n], max_new_tokens, stop_ids, lookahead, thinking,
+                                      sampling, seed, k)
 
         failure = None
-        with StageProgress(STAGE, "greedy references", len(prompts)) as progress, \
+        what = "greedy references" if sampling.greedy else f"references ({sampling.describe()}, {samples} per prompt)"
+        with StageProgress(STAGE, what, len(units)) as progress, \
                 ThreadPoolExecutor(max_workers=backend.concurrency) as pool:
-            running = {pool.submit(one_prompt, n): n for n in todo}
-            done = len(prompts) - len(todo)
+            running = {pool.submit(one_unit, i): i for i in todo}
+            done = len(units) - len(todo)
             for future in as_completed(running):
                 if future.exception() is not None:
                     failure = failure or future.exception()
                     failed.set()
                 elif future.result() is not None:  # every finished prompt is kept: a rerun resumes
-                    n = running[future]
-                    write_json_atomic(entry / f"seq_{n}.json", {"id": prompts[n].id, "category": prompts[n].category,
-                                                               "turns": future.result()})
-                    written.append(n)
+                    i = running[future]
+                    prompt = prompts[units[i][0]]
+                    record = {"id": prompt.id, "category": prompt.category, "turns": future.result()}
+                    if sampled:
+                        record.update(id=f"{prompt.id}#s{units[i][1]}", prompt=prompt.id)
+                    write_json_atomic(entry / f"seq_{i}.json", record)
+                    written.append(i)
                     done += 1
                     progress.update(done)
         if failure is not None:
             raise failure
         if fingerprint is not None:
             check_fingerprint_unchanged(entry, backend, reference, fingerprint, written)
-        n_items = sum(max(1, len(p.turns)) for p in prompts)
-        unverified = sum(not t["verified"] for n in range(len(prompts))
-                         for t in read_json(entry / f"seq_{n}.json")["turns"])
+        n_items = samples * sum(max(1, len(p.turns)) for p in prompts)
+        unverified = sum(not t["verified"] for i in range(len(units))
+                         for t in read_json(entry / f"seq_{i}.json")["turns"])
         return ReferencesRecord(
             n_prompts=len(prompts), n=n_items, prompts=str(prompts_source), target=str(target_dir),
             backend=backend.identity, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
             lookahead=lookahead, unverified=unverified,
-            backend_fingerprint=None if fingerprint is None else key_of(fingerprint),
+            backend_fingerprint=None if fingerprint is None else key_of(fingerprint), sampling=sampled,
         ).to_record()
 
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
     record = ReferencesRecord.from_record(outcome.record)
     refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record.n_prompts, n=record.n,
-                        lookahead=record.lookahead)
+                        lookahead=record.lookahead, samples=(record.sampling or {}).get("samples", 1),
+                        sampling=sampling.describe())
+    return refs if outcome.computed else cached(refs)
+
+
+def store_given_references(path: str, target_dir: str, store: Store, thinking: bool = False,
+                           refresh: bool = False) -> ReferenceSet:
+    """The references stage for completions you already have: the file's completions, stored as a references
+    entry keyed by their content (and the target's, whose tokenizer read them), one seq_<n>.json per line."""
+    target_config = read_target_config(target_dir)
+    completions = read_completions(path, AutoTokenizer.from_pretrained(target_dir), thinking=thinking,
+                                   vocab_size=target_config.vocab_size)
+    stop_ids = set(target_config.eos_token_ids)
+    key = key_of({"given": [asdict(c) for c in completions], "thinking": thinking,
+                  "target": target_key(target_dir, store)})
+
+    def compute(entry: Path) -> dict:
+        for n, c in enumerate(completions):
+            turn = {"prompt_len": len(c.input_ids), "token_ids": [*c.input_ids, *c.completion_ids],
+                    "completion_end": None, "finish": "stop" if c.completion_ids[-1] in stop_ids else "length",
+                    "verified": not c.retokenized}
+            write_json_atomic(entry / f"seq_{n}.json", {"id": c.id, "prompt": c.prompt, "category": c.category,
+                                                        "turns": [turn]})
+        return ReferencesRecord(
+            n_prompts=len(completions), n=len(completions), prompts=str(path), target=str(target_dir),
+            backend={"kind": "given", "file": str(path)}, max_new_tokens=max(len(c.completion_ids) for c in completions),
+            stop_token_ids=tuple(sorted(stop_ids)), lookahead=0, unverified=sum(c.retokenized for c in completions),
+        ).to_record()
+
+    outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
+    refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=len(completions), n=len(completions),
+                        lookahead=0, sampling="given completions")
     return refs if outcome.computed else cached(refs)

@@ -40,13 +40,15 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         per_prompt = read_json(Path(drafts.path) / DRAFTS_FILE)["per_prompt"]
         items = load_references(refs)
         prompts = [
-            PromptScore(item.id, item.category, d["acceptance_lengths"], d["starts"], len(item.reference.token_ids))
+            PromptScore(item.id, item.category, d["acceptance_lengths"], d["starts"], len(item.reference.token_ids),
+                        item.prompt)
             for item, d in zip(items, per_prompt)
         ]
         summary = summarize(prompts, drafts.block_size, lookahead=refs.lookahead > 0)
         if all(d.get("all_positions") is not None for d in per_prompt):
             summary["all_positions_tau"] = all_positions_tau([d["all_positions"] for d in per_prompt])
         summary["sliding_semantics"] = drafts.sliding_semantics
+        summary["sampling_label"] = refs.sampling  # "greedy", the settings, or "given completions"
         # references a server gave only as text whose re-tokenisation did not round-trip
         summary["unverified_references"] = [item.id for item in items if not item.verified]
         write_json_atomic(entry / SCORES_FILE, summary, indent=1)

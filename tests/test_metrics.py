@@ -67,6 +67,22 @@ def test_bootstrap_interval_brackets_the_estimate_and_collapses_when_prompts_agr
     assert bootstrap_interval(same, tau_macro) == (3.0, 3.0)
 
 
+def test_samples_of_one_prompt_resample_together():
+    """Two levels (prompts, then samples within a prompt): 4 equal samples of each of 5 prompts vary as 5
+    prompts do, not as 20 independent references would; and spread within a prompt widens the interval."""
+    taus = [1, 2, 3, 4, 5]
+    grouped = [PromptScore(f"p{t}#s{k}", None, [t, t], [5, 5 + t], 60, prompt=f"p{t}") for t in taus for k in range(4)]
+    independent = [PromptScore(p.id, None, p.acceptance_lengths, p.starts, 60) for p in grouped]
+    low, high = bootstrap_interval(grouped, tau_macro)
+    low_i, high_i = bootstrap_interval(independent, tau_macro)
+    assert high - low > 1.5 * (high_i - low_i)
+    assert summarize(grouped, 8)["samples_per_prompt"] == 4 and summarize(independent, 8)["samples_per_prompt"] == 1
+    spread = [PromptScore(f"p#s{k}", None, [t, t], [5, 5 + t], 60, prompt="p") for k, t in enumerate((1, 5))]
+    constant = [PromptScore(f"p#s{k}", None, [3, 3], [5, 8], 60, prompt="p") for k in range(2)]
+    assert bootstrap_interval(constant, tau_macro) == (3.0, 3.0)
+    assert bootstrap_interval(spread, tau_macro) != (3.0, 3.0)
+
+
 def test_summary_has_categories_intervals_positions_and_speedups():
     prompts = [prompt([4, 2], [5, 9], 60, "a", "math"), prompt([1, 1, 2], [5, 6, 7], 60, "b", "code"),
                prompt([3], [5], 60, "c", "math")]

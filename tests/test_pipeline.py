@@ -331,6 +331,18 @@ def _a_file(tmp_path):
     return path
 
 
+def _json_file(tmp_path, content):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(content))
+    return path
+
+
+def _completions(tmp_path, *lines):
+    path = tmp_path / "completions.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
 def _bad_prompts(tmp_path, tiny, bad_line):
     lines = tiny.prompts.read_text().splitlines()
     path = tmp_path / "bad.jsonl"
@@ -367,7 +379,30 @@ BAD_INPUTS = {
     "unknown dtype": (lambda t, tiny: {"--dtype": "float16"}, "--dtype must be one of auto, float32, bfloat16"),
     "target saved without its head": (lambda t, tiny: {"--target": str(_headless_target(t, tiny))},
                                       "under model.* and no lm_head.weight"),
-    "sampling temperature": (lambda t, tiny: {"--temperature": "0.7"}, "only greedy decoding (temperature 0)"),
+    "negative temperature": (lambda t, tiny: {"--temperature": "-0.5"}, "--temperature must be 0 (greedy) or more"),
+    "top-p of 0": (lambda t, tiny: {"--temperature": "0.6", "--top-p": "0"}, "--top-p must lie in (0, 1]"),
+    "top-p above 1": (lambda t, tiny: {"--temperature": "0.6", "--top-p": "1.5"}, "--top-p must lie in (0, 1]"),
+    "negative top-k": (lambda t, tiny: {"--temperature": "0.6", "--top-k": "-1"}, "--top-k must be a whole number"),
+    "no samples": (lambda t, tiny: {"--temperature": "0.6", "--samples": "0"}, "--samples must be a whole number"),
+    "samples of greedy": (lambda t, tiny: {"--samples": "4"}, "greedy completions (temperature 0) are all the same"),
+    "lookahead when sampled": (lambda t, tiny: {"--temperature": "0.6", "--lookahead": None},
+                               "--lookahead applies to greedy references"),
+    "block size above the drafter's": (lambda t, tiny: {"--block-size": "16"},
+                                       "block size 16: use 2 .. 8, the drafter's block size"),
+    "a swept block size above the drafter's": (lambda t, tiny: {"--block-sizes": "4,16"}, "block size 16: use 2 .. 8"),
+    "block sizes that are not numbers": (lambda t, tiny: {"--block-sizes": "4,eight"}, "give whole numbers separated"),
+    "step cost without a swept size": (
+        lambda t, tiny: {"--block-sizes": "2,4", "--step-cost": str(_json_file(t, {"2": 1.05}))},
+        "no cost for block size 4"),
+    "references outside the vocabulary": (
+        lambda t, tiny: {"--references": str(_completions(t, {"id": "a", "input_ids": [5], "completion_ids": [6, 9999]}))},
+        "completions.jsonl:1: field 'completion_ids': id 9999 is not below the target's vocabulary size 512"),
+    "references with an empty completion": (
+        lambda t, tiny: {"--references": str(_completions(t, {"id": "a", "input_ids": [5], "completion_ids": []}))},
+        "completions.jsonl:1: field 'completion_ids': is empty"),
+    "references with a server": (
+        lambda t, tiny: {"--references": str(_completions(t, {"id": "a", "input_ids": [5], "completion_ids": [6]})),
+                         "--reference": "sglang+http://127.0.0.1:9"}, "--references FILE gives the completions"),
     "malformed reference": (lambda t, tiny: {"--reference": "vllm://host:8000"},
                             "use local, sglang+http://HOST:PORT or openai+http://HOST:PORT/v1"),
     "target config with a string for a number": (
@@ -398,7 +433,7 @@ def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case,
     options = {"--target": str(tiny.target_dir), "--drafter": str(tiny.drafter_steps[-1]),
                "--prompts": str(tiny.prompts), "--store": str(tmp_path / "store"),
                **make_options(tmp_path / "work", tiny)}
-    result = CliRunner().invoke(app, ["run", *[x for pair in options.items() for x in pair]])
+    result = CliRunner().invoke(app, ["run", *[x for pair in options.items() for x in pair if x is not None]])
     assert result.exit_code == 2, result.output
     last = result.output.strip().splitlines()[-1]  # after what it logged (e.g. waiting for a checkpoint)
     assert last.startswith("error: ") and message in last, result.output

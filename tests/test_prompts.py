@@ -3,6 +3,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 from tokenizers import processors
@@ -12,6 +13,7 @@ from dflash_core.prompts import (
     Prompt,
     PromptError,
     prompt_set_identity,
+    read_completions,
     read_prompts,
     resolve_prompts,
     turn_prompt_ids,
@@ -382,3 +384,34 @@ def test_resolve_prompts_path_and_unknown_name(tmp_path):
     assert "maths" in message and all(name in message for name in PROMPT_SUITES)
     with pytest.raises(PromptError, match="math, code, chat, multiturn"):
         resolve_prompts(str(tmp_path / "missing.jsonl"))
+
+
+# --- completions you already have (--references FILE)
+
+
+def test_completions_as_ids_and_as_text(tmp_path, tokenizer):
+    path = write(tmp_path, {"id": "a", "input_ids": [5, 6], "completion_ids": [7, 8], "category": "code"},
+                 {"id": "b", "text": "def f(x):", "completion": " return x"},
+                 {"id": "a", "input_ids": [5, 6], "completion_ids": [9]})
+    a0, b, a1 = read_completions(path, tokenizer, vocab_size=len(tokenizer))
+    assert (a0.id, a0.prompt, a0.input_ids, a0.completion_ids, a0.retokenized) == ("a#s0", "a", (5, 6), (7, 8), False)
+    assert (a1.id, a1.prompt, a1.completion_ids) == ("a#s1", "a", (9,))
+    assert (b.id, b.prompt, b.retokenized) == ("b", None, True)
+    assert list(b.input_ids) == tokenizer("def f(x):")["input_ids"]
+    assert list(b.completion_ids) == tokenizer.encode(" return x", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("line, expected", [
+    ({"id": "a", "input_ids": [5], "completion_ids": []}, "prompts.jsonl:1: field 'completion_ids': is empty"),
+    ({"id": "a", "input_ids": [5], "completion_ids": [5, 100000]}, "field 'completion_ids': id 100000 is not below"),
+    ({"id": "a", "input_ids": [5, 100000], "completion_ids": [5]}, "field 'input_ids': token 1 is id 100000"),
+    ({"id": "a", "completion_ids": [5]}, "needs 'input_ids' beside it"),
+    ({"id": "a", "text": "x", "completion": ""}, "field 'completion': is empty"),
+    ({"id": "a", "text": "x", "completion": 5}, "field 'completion': must be a string"),
+    ({"id": "a", "text": "x"}, "a completion needs 'input_ids' and 'completion_ids'"),
+    ({"input_ids": [5], "completion_ids": [6]}, "field 'id': missing"),
+])
+def test_bad_completion_lines_name_the_line_and_field(tmp_path, tokenizer, line, expected):
+    path = write(tmp_path, line)
+    with pytest.raises(PromptError, match=re.escape(expected)):
+        read_completions(path, tokenizer, vocab_size=len(tokenizer))

@@ -56,13 +56,14 @@ def text_only_server(tiny):
         yield s
 
 
-def references(tiny, store, reference, lookahead=False, concurrency=8, prompts=None):
+def references(tiny, store, reference, lookahead=False, concurrency=8, prompts=None, **sampling):
     """Run the flow up to the references stage; read back [(id, prompt len, token ids, completion end, finish, verified)]."""
     from dflash_eval.flows.evaluate import evaluate_checkpoint
 
     results = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]),
                                   prompts=str(prompts or tiny.small_prompts), max_new_tokens=MAX_NEW, store=str(store),
-                                  reference=reference, lookahead=lookahead, concurrency=concurrency, until="references")
+                                  reference=reference, lookahead=lookahead, concurrency=concurrency, until="references",
+                                  **sampling)
     return read_references(store, results["keys"]["references"])
 
 
@@ -73,7 +74,7 @@ def read_references(store, key):
 
     record = Store(store).read_record("references", key)
     refs = ReferenceSet(key, str(Store(store).entry("references", key)), record["n_prompts"], record["n"],
-                        record["lookahead"])
+                        record["lookahead"], samples=(record.get("sampling") or {}).get("samples", 1))
     return [(i.id, i.reference.prompt_len, list(i.reference.token_ids), i.reference.end, i.finish, i.verified)
             for i in load_references(refs)]
 
@@ -107,6 +108,21 @@ def test_every_backend_gives_the_local_references(tiny, server, text_only_server
     for (_, prompt_len, ids, end, finish, _), (_, _, plain, plain_end, plain_finish, _) in zip(looked, local):
         assert (ids[:end], end, finish) == (plain, plain_end, plain_finish)
         assert len(ids) == prompt_len + MAX_NEW + block - 1  # generated past the stop token
+
+
+def test_every_backend_gives_the_local_sampled_references(tiny, server, tmp_path, prefect_api_url):
+    """At Qwen3.6's thinking settings, 2 samples per prompt: each request carries its seed (SGLang's
+    sampling_params.sampling_seed, OpenAI's seed), so the wire path gives the completions sampled here."""
+    settings = dict(temperature=0.6, top_k=20, top_p=0.95, samples=2, seed=0)
+    local = references(tiny, tmp_path / "local", "local", **settings)
+    assert [r[0] for r in local][:2] == [f"{local[0][0].split('#')[0]}#s0", f"{local[0][0].split('#')[0]}#s1"]
+    assert [r[0] for r in local][-4:] == ["multiturn-002#s0#1", "multiturn-002#s0#2", "multiturn-002#s1#1",
+                                          "multiturn-002#s1#2"]
+    assert len({tuple(r[2]) for r in local}) > len(local) // 2  # samples, not copies
+    for spec in (f"sglang+{server.url}", f"openai+{server.url}/v1"):
+        assert references(tiny, tmp_path / spec.split("+")[0], spec, **settings) == local, spec
+    greedy = references(tiny, tmp_path / "greedy", "local")
+    assert [r[2] for r in local[::2]][:5] != [r[2] for r in greedy][:5]
 
 
 def serve_in_process(target_dir, port, *options) -> subprocess.Popen:
@@ -199,7 +215,7 @@ def test_faults_are_retried_and_refusals_are_not(tiny, server):
     before = server.requests_served
     with pytest.raises(BackendError, match="refused the request with 400"):
         backend.request("POST", "/completions", {"model": backend.model_name(), "prompt": prompt, "max_tokens": 4,
-                                                 "temperature": 0.7})
+                                                 "temperature": 0.7, "top_p": 0})
     assert server.requests_served - before == 1
 
     # nobody listening: a clear error after the retries

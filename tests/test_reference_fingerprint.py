@@ -59,9 +59,9 @@ def serve(models, weights: str, port: int = 0) -> ReferenceServer:
     server.lengths = []
     generate = server._generate
 
-    def recording(prompt_ids, max_new_tokens, stop_ids):
+    def recording(prompt_ids, max_new_tokens, stop_ids, *sampling):
         server.lengths.append(max_new_tokens)
-        return generate(prompt_ids, max_new_tokens, stop_ids)
+        return generate(prompt_ids, max_new_tokens, stop_ids, *sampling)
 
     server._generate = recording
     return server.start()
@@ -102,10 +102,10 @@ def interrupted(models, tmp_path_factory):
     server = serve(models, "a")
     generate, calls = server._generate, itertools.count()  # next() is atomic: requests arrive concurrently
 
-    def failing_after_kept(prompt_ids, max_new_tokens, stop_ids):
+    def failing_after_kept(prompt_ids, max_new_tokens, stop_ids, *sampling):
         if max_new_tokens == MAX_NEW and next(calls) >= KEPT:
             raise RuntimeError("injected: the server goes down")
-        return generate(prompt_ids, max_new_tokens, stop_ids)
+        return generate(prompt_ids, max_new_tokens, stop_ids, *sampling)
 
     server._generate = failing_after_kept
     try:
@@ -183,11 +183,11 @@ def test_a_server_swapped_during_the_run_commits_nothing(models, tmp_path):
     a = serve(models, "a")
     generate, calls, reached, swapped = a._generate, itertools.count(), threading.Event(), threading.Event()
 
-    def paused_after_kept(prompt_ids, max_new_tokens, stop_ids):
+    def paused_after_kept(prompt_ids, max_new_tokens, stop_ids, *sampling):
         if max_new_tokens == MAX_NEW and next(calls) >= KEPT:
             reached.set()
             swapped.wait(60)  # answered by A once B serves: the run holds references of both models
-        return generate(prompt_ids, max_new_tokens, stop_ids)
+        return generate(prompt_ids, max_new_tokens, stop_ids, *sampling)
 
     a._generate = paused_after_kept
     failure = []

@@ -20,7 +20,7 @@ import requests
 import torch
 from transformers import Qwen3ForCausalLM
 
-from dflash_core.decoding import greedy_decode
+from dflash_core.decoding import decode, greedy_decode
 from dflash_core.reference.backends import (
     API_KEY_ENV,
     BackendError,
@@ -30,6 +30,7 @@ from dflash_core.reference.backends import (
     reference_api_key,
 )
 from dflash_core.reference.server import ReferenceServer
+from dflash_core.sampling import Sampling
 from dflash_core.target import Target, load_target
 from dflash_core.tiny import target as tiny_target
 from tests.tiny_models import qwen3_config
@@ -261,17 +262,48 @@ def test_text_only_server_gives_no_ids_and_clients_must_retokenize(target_dir, l
 # --- refusals and errors
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.7}}),
-    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 4}}),  # default temperature 1.0
-    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.5, "top_p": 0.9}}),
-    ("/v1/completions", {"prompt": [5, 6, 7], "temperature": 1.0}),
-    ("/v1/completions", {"prompt": [5, 6, 7]}),
+def sampled(local, prompt, max_new, sampling, seed):
+    ids = decode(local, prompt, max_new, (), sampling, torch.Generator().manual_seed(seed))
+    return ids[len(prompt):]
+
+
+def test_sampled_requests_follow_their_seed(server, local):
+    """SGLang's sampling_params.sampling_seed and vLLM's seed: the completion is the local sampler's with a
+    generator seeded so (the same on both routes), another seed gives another one."""
+    settings = {"temperature": 1.3, "top_k": 40, "top_p": 0.95, "min_p": 0.01}
+    sampling = Sampling(1.3, 40, 0.95, 0.01)
+    answers = {}
+    for seed in (1, 2):
+        out = generate(server, {"input_ids": [5, 6, 7], "sampling_params": {
+            **settings, "max_new_tokens": MAX_NEW, "ignore_eos": True, "sampling_seed": seed}})
+        choice = post(server, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": MAX_NEW, "ignore_eos": True,
+                                                  "return_token_ids": True, "seed": seed, **settings}).json()
+        assert out["output_ids"] == choice["choices"][0]["token_ids"] == sampled(local, [5, 6, 7], MAX_NEW,
+                                                                                  sampling, seed)
+        answers[seed] = out["output_ids"]
+    assert answers[1] != answers[2]
+    assert answers[1] != expected(local, [5, 6, 7], stops=()), "greedy, not sampled"
+
+
+def test_absent_temperature_samples_as_real_servers_do(server, local):
+    out = generate(server, {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": MAX_NEW, "ignore_eos": True,
+                                                                         "sampling_seed": 3}})
+    assert out["output_ids"] == sampled(local, [5, 6, 7], MAX_NEW, Sampling(1.0), 3)
+
+
+@pytest.mark.parametrize("path, body, needle", [
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"temperature": -0.5}}, "temperature must be non-negative"),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.5, "top_p": 0}}, "top_p must be in"),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"temperature": 0.5, "min_p": 1.0}}, "min_p must be in"),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"top_k": -2}}, "top_k must be -1"),
+    ("/generate", {"input_ids": [5, 6, 7], "sampling_params": {"sampling_seed": "x"}}, "sampling_seed must be an integer"),
+    ("/v1/completions", {"prompt": [5, 6, 7], "temperature": "hot"}, "temperature must be a number"),
+    ("/v1/completions", {"prompt": [5, 6, 7], "seed": 1.5}, "seed must be an integer"),
 ])
-def test_sampling_is_refused(server, path, body):
+def test_bad_sampling_is_refused(server, path, body, needle):
     response = post(server, path, body)
     assert response.status_code == 400
-    assert "only does greedy decoding" in response.json()["error"]["message"]
+    assert needle in response.json()["error"]["message"]
 
 
 def test_top_k_1_is_greedy(server, local):

@@ -1,11 +1,13 @@
-"""Where greedy references come from: the target in this process, or a serving stack over HTTP.
+"""Where references come from: the target in this process, or a serving stack over HTTP.
 
-    --reference local                        the target through transformers (greedy_decode)
+    --reference local                        the target through transformers (decoding.decode)
     --reference sglang+http://host:port      SGLang's native POST /generate, token ids in and out
     --reference openai+http://host:port/v1   an OpenAI-compatible POST /v1/completions (vLLM, SGLang)
 
-Temperature 0 only: at any other temperature the references would not be the target's greedy
-continuation, and offline replay would no longer equal speculative decoding.
+Greedy (temperature 0), or sampled (dflash_core.sampling): every request then carries its own seed
+(SGLang's `sampling_params.sampling_seed`, OpenAI's `seed`; the local target seeds a generator with it),
+so a completion can be asked for again. A server that ignores seeds still gives valid samples: what the
+replay uses is the stored completion, whatever drew it.
 
 Token ids, not text: prompts go to the server as ids, and completions come back as the ids the server
 generated (SGLang's `output_ids`, vLLM's `return_token_ids`). A server that returns only text gets its
@@ -41,9 +43,11 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import requests
+import torch
 from urllib3.util.retry import Retry
 
-from ..decoding import greedy_decode
+from ..decoding import decode
+from ..sampling import GREEDY, Sampling
 
 SCHEMES = ("sglang", "openai")
 API_KEY_ENV = "DFLASH_REFERENCE_API_KEY"
@@ -59,7 +63,8 @@ FINGERPRINT_TEXTS = ("def fingerprint(model):\n    return", "The quick brown fox
 FINGERPRINT_TOKENS = 16
 # Answers a retry may fix: the server's own errors, and a busy one's 503 (its Retry-After is waited for).
 RETRY_STATUSES = frozenset(range(500, 600))
-# Generation at temperature 0 gives the same answer however often it is asked, so POSTs are retried too.
+# Generation gives the same answer however often it is asked (greedy, or sampled with the request's seed), so
+# POSTs are retried too.
 RETRY_METHODS = frozenset({"GET", "POST"})
 
 
@@ -98,7 +103,7 @@ def reference_api_key(key_file: str | None) -> str | None:
 
 @dataclass(frozen=True)
 class Completion:
-    """The completion ids of one greedy generation request (the stop token included, if one ended it).
+    """The completion ids of one generation request (the stop token included, if one ended it).
 
     No finish reason: servers disagree about a stop token emitted as the last allowed token (SGLang
     reports "length"), so callers read it off the ids."""
@@ -108,7 +113,7 @@ class Completion:
 
 
 class LocalBackend:
-    """Greedy decoding with the target in this process (the embedded default)."""
+    """Decoding with the target in this process (the embedded default)."""
 
     concurrency = 1
 
@@ -116,8 +121,11 @@ class LocalBackend:
         self.load_target = load_target  # called on first use: a cached run never loads the target
         self.identity = identity
 
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> Completion:
-        ids = greedy_decode(self.load_target(), list(prompt_ids), max_new_tokens, list(stop_token_ids))
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int],
+                 sampling: Sampling = GREEDY, seed: int | None = None) -> Completion:
+        target = self.load_target()
+        generator = None if sampling.greedy else torch.Generator(device=target.device).manual_seed(seed or 0)
+        ids = decode(target, list(prompt_ids), max_new_tokens, list(stop_token_ids), sampling, generator)
         return Completion(ids[len(prompt_ids):])
 
 
@@ -184,8 +192,10 @@ class HTTPBackend(ABC):
             return Completion(ids, verified=self.tokenizer.decode(ids) == text)
 
     @abstractmethod
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int]) -> Completion:
-        """The server's greedy completion of prompt_ids (each kind of server has its own request)."""
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, stop_token_ids: Sequence[int],
+                 sampling: Sampling = GREEDY, seed: int | None = None) -> Completion:
+        """The server's completion of prompt_ids, greedy or sampled with `seed` (each kind of server has its
+        own request)."""
 
     def tokenize(self, text: str) -> list[int]:
         """The server's own tokenization of text, without special tokens (SGLang and vLLM: POST /tokenize)."""
@@ -237,7 +247,7 @@ def fingerprint_difference(before: dict, now: dict) -> str | None:
 
 
 class SGLangBackend(HTTPBackend):
-    """SGLang's native API: POST /generate with input_ids, greedy."""
+    """SGLang's native API: POST /generate with input_ids."""
 
     kind = "sglang"
 
@@ -248,13 +258,12 @@ class SGLangBackend(HTTPBackend):
         return {"kind": self.kind, "model_path": info.get("model_path"), "tokenizer_path": info.get("tokenizer_path"),
                 "weight_version": info.get("weight_version")}
 
-    def generate(self, prompt_ids, max_new_tokens, stop_token_ids) -> Completion:
-        answer = self.request("POST", "/generate", {
-            "input_ids": list(prompt_ids),
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
-                                "stop_token_ids": list(stop_token_ids), "ignore_eos": not stop_token_ids,
-                                "skip_special_tokens": False},
-        })
+    def generate(self, prompt_ids, max_new_tokens, stop_token_ids, sampling=GREEDY, seed=None) -> Completion:
+        params = {**request_sampling(sampling), "max_new_tokens": max_new_tokens,
+                  "stop_token_ids": list(stop_token_ids), "ignore_eos": not stop_token_ids, "skip_special_tokens": False}
+        if not sampling.greedy and seed is not None:
+            params["sampling_seed"] = seed
+        answer = self.request("POST", "/generate", {"input_ids": list(prompt_ids), "sampling_params": params})
         if "output_ids" in answer:
             return Completion([int(t) for t in answer["output_ids"]])
         # releases before output_ids: text only, without the stop token that ended it, so put it back
@@ -288,12 +297,13 @@ class OpenAIBackend(HTTPBackend):
     def model_name(self) -> str:
         return self.identity["model"]
 
-    def generate(self, prompt_ids, max_new_tokens, stop_token_ids) -> Completion:
-        answer = self.request("POST", "/completions", {
-            "model": self.model_name(), "prompt": list(prompt_ids), "max_tokens": max_new_tokens,
-            "temperature": 0.0, "stop_token_ids": list(stop_token_ids), "ignore_eos": not stop_token_ids,
-            "skip_special_tokens": False, "return_token_ids": True,
-        })
+    def generate(self, prompt_ids, max_new_tokens, stop_token_ids, sampling=GREEDY, seed=None) -> Completion:
+        body = {"model": self.model_name(), "prompt": list(prompt_ids), "max_tokens": max_new_tokens,
+                **request_sampling(sampling), "stop_token_ids": list(stop_token_ids),
+                "ignore_eos": not stop_token_ids, "skip_special_tokens": False, "return_token_ids": True}
+        if not sampling.greedy and seed is not None:
+            body["seed"] = seed
+        answer = self.request("POST", "/completions", body)
         choice = answer["choices"][0]
         if choice.get("token_ids") is not None:
             return Completion([int(t) for t in choice["token_ids"]])
@@ -305,6 +315,14 @@ class OpenAIBackend(HTTPBackend):
             ids = completion.token_ids + [stop if stop is not None else stop_token_ids[0]]
             completion = Completion(ids, completion.verified)
         return completion
+
+
+def request_sampling(sampling: Sampling) -> dict:
+    """The sampling fields of a request (the same names in SGLang's sampling_params and OpenAI's body)."""
+    if sampling.greedy:
+        return {"temperature": 0.0}
+    return {"temperature": sampling.temperature, "top_k": sampling.top_k or -1, "top_p": sampling.top_p,
+            "min_p": sampling.min_p}
 
 
 def parse_reference(spec: str) -> tuple[str, str | None]:

@@ -1,8 +1,10 @@
 """The fields of a request to the reference server, read and checked: a value of the wrong type, a sampling
-that is not greedy, or a parameter that would change the output and that the server does not implement is
+setting out of range, or a parameter that would change the output and that the server does not implement is
 refused with a `RequestError` (answered 400) rather than ignored. Which fields the real servers take, and
 their defaults: docs/reference-servers.md, "Wire formats we follow".
 """
+
+from ..sampling import GREEDY, Sampling
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this is greedy (vLLM's threshold is 1e-5)
 
@@ -87,25 +89,38 @@ def check_supported(params: dict) -> None:
     for name, neutral in NEUTRAL_VALUES.items():
         if name in params and not _is_neutral(params[name], neutral):
             raise RequestError(f"{name}={params[name]!r} is not supported by this reference server "
-                               "(it serves plain greedy decoding only)", param=name)
+                               "(it serves plain decoding, greedy or sampled, only)", param=name)
 
 
-def check_greedy(params: dict) -> None:
-    """Greedy iff temperature < 1e-6 or top_k == 1 (both servers); an absent temperature is the
-    servers' default 1.0, i.e. sampling."""
-    temperature, top_k = params.get("temperature"), params.get("top_k")
-    if temperature is not None and not is_number(temperature):
-        raise RequestError(f"temperature must be a number, got {temperature!r}", param="temperature")
+def read_sampling(params: dict, seed_field: str) -> tuple[Sampling, int | None]:
+    """The request's sampling and its seed (`seed_field`: SGLang's `sampling_seed`, vLLM's `seed`; None
+    when absent). As both servers: an absent temperature is 1.0; top_k -1 or 0 is off; greedy iff
+    temperature < 1e-6 or top_k == 1."""
+    def number(name: str, default: float) -> float:
+        value = params.get(name)
+        if value is None:
+            return default
+        if not is_number(value):
+            raise RequestError(f"{name} must be a number, got {value!r}", param=name)
+        return float(value)
+
+    temperature, top_p, min_p = number("temperature", 1.0), number("top_p", 1.0), number("min_p", 0.0)
+    top_k, seed = params.get("top_k"), params.get(seed_field)
     if top_k is not None and not is_int(top_k):
         raise RequestError(f"top_k must be an integer, got {top_k!r}", param="top_k")
-    if temperature is not None and temperature < 0:
+    if seed is not None and not is_int(seed):
+        raise RequestError(f"{seed_field} must be an integer, got {seed!r}", param=seed_field)
+    if temperature < 0:
         raise RequestError(f"temperature must be non-negative, got {temperature}", param="temperature")
-    if top_k == 1 or (temperature is not None and temperature < GREEDY_EPS):
-        return
-    got = ("the request sets no temperature, and SGLang and vLLM then default to 1.0, i.e. sampling"
-           if temperature is None else f"got temperature={temperature}")
-    raise RequestError(f"this reference server only does greedy decoding: send temperature 0 ({got})",
-                       param="temperature")
+    if not 0 < top_p <= 1:
+        raise RequestError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
+    if not 0 <= min_p < 1:
+        raise RequestError(f"min_p must be in [0, 1), got {min_p}", param="min_p")
+    if top_k is not None and top_k < -1:
+        raise RequestError(f"top_k must be -1 (off) or more, got {top_k}", param="top_k")
+    if top_k == 1 or temperature < GREEDY_EPS:
+        return GREEDY, seed
+    return Sampling(temperature, max(0, top_k or 0), top_p, min_p), seed
 
 
 def read_max_tokens(value, name: str, default: int) -> int:

@@ -1,12 +1,13 @@
-"""A real HTTP server for a local Hugging Face target's GREEDY completions, speaking the wire
+"""A real HTTP server for a local Hugging Face target's completions, greedy or sampled, speaking the wire
 formats of SGLang's native `/generate` and of the OpenAI-compatible `/v1/completions` (as vLLM and
 SGLang implement it). For tests (a real server on loopback, with injectable faults) and for users
 without a GPU serving stack. Plain stdlib `http.server`, one thread per connection.
 
-Every completion is `dflash_core.decoding.greedy_decode(target, prompt_ids, max_new_tokens, stops)`,
-so it is bit-identical to a local greedy run in the same dtype and device. Stop tokens are the
-target's eos ids (`read_target_config(target_dir).eos_token_ids`) plus the request's
-`stop_token_ids`. Only greedy decoding is served: a request whose sampling is not greedy gets 400.
+Every completion is `dflash_core.decoding.decode(target, prompt_ids, max_new_tokens, stops, sampling,
+generator)`, so it is bit-identical to a local run in the same dtype and device: greedy, or sampled with
+temperature, top_k, top_p and min_p from a generator seeded with the request's seed (SGLang's
+`sampling_params.sampling_seed`, vLLM's `seed`; a random one when absent). Stop tokens are the
+target's eos ids (`read_target_config(target_dir).eos_token_ids`) plus the request's `stop_token_ids`.
 
 What SGLang and vLLM take and answer, which this server follows point by point, with the source file
 each fact comes from: docs/reference-servers.md, "Wire formats we follow". Reading and checking the
@@ -21,7 +22,7 @@ This server: errors are `{"error": {"message", "type", "param", "code"}}` (a sup
 SGLang's); unknown paths 404. `openai_style="sglang"` answers `/v1/completions` as SGLang does;
 the default is vLLM's. With `api_key` it checks the key as SGLang does (constant-time),
 before anything else: a refused request is neither routed nor counted in `requests_served`.
-It does not stream, batch or sample; parameters that would change the output and that it does not
+It does not stream or batch; parameters that would change the output and that it does not
 implement (stop strings, penalties, n > 1, grammars, ...) get 400 rather than being ignored. Stops
 are the target config's eos ids (what local greedy runs use); real servers also stop on the
 tokenizer's eos id, which is normally among them. Text prompts are encoded with the served tokenizer
@@ -51,15 +52,16 @@ from typing import Any, ClassVar, Self
 import torch
 import torch.nn.functional as F
 
-from ..decoding import greedy_decode
+from ..decoding import decode
+from ..sampling import Sampling
 from ..target import DTYPES, load_target, read_target_config
 from .request_fields import (
     RequestError,
-    check_greedy,
     check_supported,
     is_int,
     read_flag,
     read_max_tokens,
+    read_sampling,
     read_stop_token_ids,
     read_token_ids,
 )
@@ -72,7 +74,7 @@ OPEN_PATHS = ("/health", "/metrics")  # SGLang: reachable without the API key (p
 SERVER_VERSION = "dflash-eval-reference"
 
 class ReferenceServer:
-    """Serves `target_dir`'s greedy completions over HTTP (see the module docstring).
+    """Serves `target_dir`'s completions (greedy or sampled) over HTTP (see the module docstring).
 
     Binds at construction (`port=0` picks a free port; `url` tells which). `start()` serves in a
     daemon thread, `serve_forever()` in this one; `stop()` shuts down. A context manager starts
@@ -202,14 +204,19 @@ class ReferenceServer:
         assert isinstance(text, str), "one sequence of ids decodes to one string"
         return text
 
-    def _generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids) -> list[int]:
-        """Completion ids (the stop token kept) of greedy decoding."""
+    def _generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids, sampling: Sampling,
+                  seed: int | None) -> list[int]:
+        """Completion ids (the stop token kept), greedy or sampled from a generator seeded with `seed`."""
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.target.device)
+            generator.manual_seed(seed) if seed is not None else generator.seed()
         try:
             # One generation at a time: on CPU each one already uses every core (intra-op threads), and
             # several at once only oversubscribe them (measured: 8 concurrent requests ran at 0.46x the
             # rate of one). Requests still arrive, queue and are answered concurrently.
             with self._model_lock:
-                ids = greedy_decode(self.target, prompt_ids, max_new_tokens, stop_token_ids=stop_ids)
+                ids = decode(self.target, prompt_ids, max_new_tokens, stop_ids, sampling, generator)
         except ValueError as e:  # empty prompt, ids outside the vocabulary, context overflow
             raise RequestError(str(e)) from None
         return ids[len(prompt_ids):]
@@ -314,7 +321,7 @@ class ReferenceServer:
             raise RequestError("sampling_params must be an object", param="sampling_params")
         check_supported(body)
         check_supported(params)
-        check_greedy(params)
+        sampling, seed = read_sampling(params, "sampling_seed")
         max_new = read_max_tokens(params.get("max_new_tokens"), "max_new_tokens", 128)
         stop_ids = read_stop_token_ids(params.get("stop_token_ids"))
         ignore_eos = read_flag(params, "ignore_eos", False)
@@ -327,12 +334,12 @@ class ReferenceServer:
         start = time.monotonic()
         # SGLang checks eos and stop_token_ids only when not ignore_eos.
         stops = set() if ignore_eos else set(self.eos_token_ids) | set(stop_ids)
-        completion = self._generate(prompt_ids, max_new, stops)
+        completion = self._generate(prompt_ids, max_new, stops, sampling, seed)
         if len(completion) >= max_new:  # SGLang checks the length first
             finish = {"type": "length", "length": max_new}
         elif completion and completion[-1] in stops:
             finish = {"type": "stop", "matched": completion[-1]}
-        else:  # not reachable with greedy_decode; kept for safety
+        else:  # not reachable with decode; kept for safety
             finish = {"type": "length", "length": max_new}
         text_ids = completion[:-1] if finish["type"] == "stop" and not no_stop_trim else completion
         meta = {
@@ -360,7 +367,7 @@ class ReferenceServer:
         """OpenAI /v1/completions as vLLM serves it, one prompt."""
         self._check_model(body.get("model"))
         check_supported(body)
-        check_greedy(body)
+        sampling, seed = read_sampling(body, "seed")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
@@ -392,7 +399,7 @@ class ReferenceServer:
             stops = set() if ignore_eos else set(self.eos_token_ids) | set(stop_ids)
         else:
             stops = (set() if ignore_eos else set(self.eos_token_ids)) | set(stop_ids)
-        completion = self._generate(prompt_ids, max_new, stops)
+        completion = self._generate(prompt_ids, max_new, stops, sampling, seed)
         stopped = bool(completion) and completion[-1] in stops  # current vLLM: stop before length
         if sglang:
             stopped = stopped and len(completion) < max_new
@@ -563,7 +570,7 @@ def serve_reference(target_dir, host: str = "127.0.0.1", port: int = 30000, dtyp
     server = ReferenceServer(target_dir, host=host, port=port, dtype=dtype, served_model_name=served_model_name,
                              tokenizer_dir=tokenizer_dir, device=device, api_key=api_key)
     log(f"listening on {server.url} (model {server.served_model_name!r}, {dtype} on {device}; "
-        "SGLang /generate and OpenAI /v1/completions, greedy only"
+        "SGLang /generate and OpenAI /v1/completions, greedy or sampled"
         f"{'; API key required' if server.requires_api_key else ''})")
     try:
         server.serve_forever()

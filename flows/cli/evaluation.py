@@ -12,12 +12,24 @@ import typer
 from dflash_eval.flows.disk_full import is_storage_full, storage_full_message
 
 from .common import configure_threads, fail, open_store, start_local_server, write_results
-from .options import Baseline, ByHand, Drafter, Inputs, Settings, Stage, StoreRoot, Threads, example, option_groups
+from .options import (
+    Baseline,
+    ByHand,
+    Drafter,
+    Inputs,
+    Settings,
+    Stage,
+    StoreRoot,
+    Threads,
+    absolute,
+    example,
+    option_groups,
+)
 
 app = typer.Typer()
 
 
-def evaluate(parameters: dict, temperature: float = 0.0, out: Path | None = None) -> dict:
+def evaluate(parameters: dict, out: Path | None = None) -> dict:
     """Check the inputs and the results file `out` (one clear error, nothing written), then run the flow with
     these parameters, handing it the checked inputs."""
     configure_threads(parameters.get("threads"))
@@ -31,7 +43,7 @@ def evaluate(parameters: dict, temperature: float = 0.0, out: Path | None = None
         check_out(out)
         bound = inspect.signature(evaluate_checkpoint.fn).bind(**parameters)
         bound.apply_defaults()
-        checked = check_evaluation(bound.arguments, temperature)
+        checked = check_evaluation(bound.arguments)
         start_local_server()  # after the checks: bad input costs no server start-up
         # errors handled below get one line, so Prefect's console tracebacks of them are left out
         explained = (InputError, DrafterError, CheckpointError, BackendError)
@@ -102,11 +114,24 @@ def _print_results(results: dict) -> None:
         low, high = results["tau_macro_ci95"]
         console.print(
             f"tau macro {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f} "
-            f"(block {results['block_size']}, {results['n_scored_prompts']} prompts, {results['n_steps']} steps, "
+            f"(block {results['block_size']}, {results['n_scored_prompts']} references"
+            + (f" ({results['samples_per_prompt']} samples per prompt, {results['sampling_label']})"
+               if results.get("sampling_label", "greedy") != "greedy" else "")
+            + f", {results['n_steps']} steps, "
             f"{results['clipped_last_steps']} clipped last steps; {results['sliding_semantics']} sliding layers)"
         )
     if "all_positions_tau" in results:
         console.print(f"all positions: mean acceptance length {results['all_positions_tau']:.3f}")
+    if "block_sweep" in results:
+        sweep = Table(title="by block size (projected speedup: tau(b) / your step cost(b))")
+        for column in ("block size", "tau macro", "95% CI", "tau pooled", "tau / b", "projected speedup"):
+            sweep.add_column(column, justify="right")
+        for row in results["block_sweep"]:
+            low, high = row["tau_macro_ci95"]
+            speedup = f"{row['projected_speedup']:.2f}x" if "projected_speedup" in row else "-"
+            sweep.add_row(str(row["block_size"]), f"{row['tau_macro']:.3f}", f"{low:.2f}-{high:.2f}",
+                          f"{row['tau_pooled']:.3f}", f"{row['tau_per_token']:.3f}", speedup)
+        console.print(sweep)
     if "baseline" in results:
         b = results["baseline"]
         console.print(f"baseline {b['source']}: tau macro {b['tau_macro']:.3f} "
@@ -134,9 +159,12 @@ def _print_diagnostics(console, d: dict) -> None:
 
 def _evaluate_by_hand(drafter: str, inputs: Inputs, by_hand: ByHand, settings: Settings, **parameters) -> None:
     """`run` and `stage`: evaluate, print what it found, write the results JSON."""
-    results = evaluate({"drafter": drafter, "target": inputs.target, "prompts": inputs.prompts, "store": inputs.store,
+    if inputs.prompts is None and by_hand.references is None:
+        fail("give --prompts (a suite or a prompt file), or --references FILE (completions you already have)")
+    prompts = inputs.prompts or absolute(by_hand.references)  # names the series when only completions are given
+    results = evaluate({"drafter": drafter, "target": inputs.target, "prompts": prompts, "store": inputs.store,
                         "max_new_tokens": inputs.max_new_tokens, **by_hand.parameters(), **settings.parameters(),
-                        **parameters}, temperature=by_hand.temperature, out=by_hand.out)
+                        **parameters}, out=by_hand.out)
     _print_results(results)
     write_results(results, by_hand.out)
 

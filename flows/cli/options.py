@@ -18,6 +18,8 @@ from typer.core import TyperGroup
 from dflash_core.choices import AUTO_DTYPE, DEFAULT_REPLAY_GROUP, DTYPE_NAMES, SLIDING_SEMANTICS, STAGE_DTYPE_NAMES
 from dflash_eval.flows.choices import DEVICES, STAGES
 
+from .common import fail
+
 Stage = StrEnum("Stage", [(stage, stage) for stage in STAGES])  # what `stage NAME` runs
 Device = StrEnum("Device", [(device, device) for device in DEVICES])
 
@@ -61,8 +63,18 @@ def example(*lines: str) -> str:
 
 Target = Annotated[str, typer.Option("--target", help="Target model folder (Hugging Face format).")]
 Drafter = Annotated[str, typer.Option("--drafter", help="Drafter checkpoint folder (config.json + model.safetensors).")]
-Prompts = Annotated[str, typer.Option("--prompts", help="A suite (math, code, chat, multiturn) or a JSONL file: id + "
-                                      "one of text/messages/turns/input_ids, optional category.")]
+Prompts = Annotated[str | None, typer.Option("--prompts", help="A suite (math, code, chat, multiturn) or a JSONL file: "
+                                             "id + one of text/messages/turns/input_ids, optional category.")]
+BlockSizes = Annotated[str | None, typer.Option(
+    "--block-sizes", metavar="B1,B2,...", help="Also draft and score at each of these block sizes (e.g. 2,4,8,16): "
+    "tau(b), tau(b)/b and, with --step-cost, the projected speedup per b.")]
+StepCost = Annotated[str | None, typer.Option(
+    "--step-cost", help='A JSON file {"<b>": cost of one speculative step verifying b tokens relative to one plain '
+    'decode step}, measured on the serving box: the projected speedup per block size (labelled as projected).')]
+ReferencesFile = Annotated[str | None, typer.Option(
+    "--references", help="Completions you already have (a JSONL file: id, input_ids and completion_ids, or a "
+    "text/messages prompt and a completion text), e.g. a server's logged outputs: stored as the references instead "
+    "of generating them (no --prompts needed).")]
 MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", help="Greedy reference length limit per prompt.")]
 StoreRoot = Annotated[str | None, typer.Option("--store", help="The store: a folder or s3://BUCKET/PREFIX (default "
                                                "$DFLASH_STORE, else ./.dflash-store).")]
@@ -80,7 +92,21 @@ Lookahead = Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Kee
                                          "completion so the last step is scored against a whole block (default: "
                                          "clipped, as online decoding).")]
 Concurrency = Annotated[int, typer.Option("--concurrency", help="Requests in flight to a reference server.")]
-Temperature = Annotated[float, typer.Option("--temperature", help="Only 0 (greedy): anything else is refused.")]
+Temperature = Annotated[float, typer.Option("--temperature", help="Sampling temperature the target is served at: 0 "
+                                            "(greedy), or above 0 (sampled references, --samples per prompt).")]
+TopK = Annotated[int, typer.Option("--top-k", help="Keep the K most likely tokens (0: off); applied after the "
+                                   "temperature, before top-p and min-p, as SGLang does.")]
+TopP = Annotated[float, typer.Option("--top-p", help="Keep the most likely tokens holding this much mass, in (0, 1] "
+                                     "(1: off).")]
+MinP = Annotated[float, typer.Option("--min-p", help="Drop tokens below this fraction of the most likely one's "
+                                     "probability, in [0, 1) (0: off).")]
+Samples = Annotated[int, typer.Option("--samples", help="Sampled completions per prompt at a temperature above 0 "
+                                      "(each a reference of its own; tau is their mean).")]
+Seed = Annotated[int, typer.Option("--seed", help="Seed of the sampled completions (each request's seed follows from "
+                                   "it, the prompt and the sample).")]
+BlockSize = Annotated[int | None, typer.Option(
+    "--block-size", help="Verify blocks of this many tokens (2 .. the drafter's block size), as SGLang's "
+    "--speculative-num-draft-tokens and vLLM's num_speculative_tokens + 1 serve it (default: the drafter's).")]
 Baseline = Annotated[str | None, typer.Option("--baseline", help="Another drafter (e.g. the published one for this "
                                               "target) scored alongside: its own row in history and the report.")]
 RelayTokenFile = Annotated[str | None, typer.Option("--relay-token-file", help="File holding a relay's bearer token "
@@ -122,7 +148,7 @@ class Inputs(OptionGroup):
     """What checkpoints are evaluated on (run, stage, serve, watch)."""
 
     target: Target
-    prompts: Prompts
+    prompts: Prompts = None  # run and stage also take --references FILE instead
     store: StoreRoot = None
     max_new_tokens: MaxNewTokens = 256
 
@@ -143,6 +169,15 @@ class Settings(OptionGroup):
     settle_seconds: SettleSeconds = 30.0
     replay_group: ReplayGroup = DEFAULT_REPLAY_GROUP
     dask_address: DaskAddress = None
+    temperature: Temperature = 0.0
+    top_k: TopK = 0
+    top_p: TopP = 1.0
+    min_p: MinP = 0.0
+    samples: Samples = 1
+    seed: Seed = 0
+    block_size: BlockSize = None
+    block_sizes: BlockSizes = None
+    step_cost: StepCost = None
 
     def parameters(self) -> dict:
         """These as flow parameters: choices by name, files as absolute paths (flow runs may start elsewhere)."""
@@ -152,7 +187,10 @@ class Settings(OptionGroup):
                 "drafter_config": absolute(self.drafter_config) if self.drafter_config else None,
                 "include": self.include or None, "checkpoint_wait": self.checkpoint_wait,
                 "settle_seconds": self.settle_seconds, "replay_group": self.replay_group,
-                "dask_address": self.dask_address or None}
+                "dask_address": self.dask_address or None, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "min_p": self.min_p, "samples": self.samples, "seed": self.seed,
+                "block_size": self.block_size, "block_sizes": block_size_list(self.block_sizes),
+                "step_cost": absolute(self.step_cost) if self.step_cost else None}
 
 
 @dataclass(frozen=True)
@@ -161,15 +199,15 @@ class ByHand(OptionGroup):
 
     thinking: Thinking = False
     lookahead: Lookahead = False
-    temperature: Temperature = 0.0
+    references: ReferencesFile = None
     relay_token_file: RelayTokenFile = None
     threads: Threads = None
     out: ResultsOut = None
 
     def parameters(self) -> dict:
-        """The flow parameters among these (temperature is only checked, out only written)."""
+        """The flow parameters among these (out is only written)."""
         return {"thinking": self.thinking, "lookahead": self.lookahead, "relay_token_file": self.relay_token_file,
-                "threads": self.threads}
+                "threads": self.threads, "references": absolute(self.references) if self.references else None}
 
 
 def option_groups(command):
@@ -198,6 +236,16 @@ def option_groups(command):
     run.__signature__ = inspect.Signature(parameters)  # what typer reads the options from
     run.__annotations__ = {p.name: p.annotation for p in parameters}
     return run
+
+
+def block_size_list(text: str | None) -> list[int] | None:
+    """--block-sizes 2,4,8 as [2, 4, 8]; a value that is not a list of whole numbers exits with one line."""
+    if text is None:
+        return None
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        fail(f"--block-sizes {text!r}: give whole numbers separated by commas, e.g. 2,4,8,16")
 
 
 def absolute(path: str) -> str:

@@ -48,6 +48,8 @@ def serve(
     if set, is the address the runs link to instead: a reverse proxy's)."""
     from dflash_eval.flows.deployments import serve_deployments
 
+    if inputs.prompts is None:
+        fail("give --prompts (a suite or a prompt file): the deployments evaluate every checkpoint on them")
     if not os.environ.get("PREFECT_API_URL"):
         fail("set PREFECT_API_URL to a Prefect server (`prefect server start`): deployments, event triggers and "
              "schedules live there")
@@ -99,6 +101,8 @@ def watch(
     server with the deployment (`dflash-eval serve`)."""
     from dflash_eval.flows.watch import watch_relay
 
+    if inputs.prompts is None:
+        fail("give --prompts (a suite or a prompt file): the checkpoints started are evaluated on them")
     start_local_server()  # no PREFECT_API_URL: Prefect's temporary server, with time for a slow first start
     started = watch_relay(relay=relay, target=absolute(inputs.target), prompts=absolute(inputs.prompts),
                           store=str(Path(inputs.store).resolve()) if inputs.store else None,

@@ -1,0 +1,146 @@
+"""Sampling as it is served: the target's next-token distribution at a temperature, after top-k, top-p
+and min-p, and the two rules serving stacks verify a drafted block with.
+
+The distribution, in SGLang's order (transformers' logits processors give the same probabilities):
+
+    p = softmax(logits / temperature)
+    top-k:  keep the k most likely tokens (ties with the k-th kept)             0 = off
+    top-p:  keep the most likely tokens whose mass before each is < top_p      1 = off
+    min-p:  keep tokens with p >= min_p * max(p)                               0 = off
+
+each step renormalising what it keeps. Temperature 0 is greedy: the most likely token, always.
+
+Every DFlash stack drafts the drafter's argmax, also at temperature > 0, and verifies by one of:
+
+- "match" (z-lab `dflash_generate`): the target samples a token at every block position; a draft is
+  accepted while it equals the target's sample; the target's sample at the first mismatch is emitted.
+- "rejection" (SGLang `tree_speculative_sampling_target_only` with no draft probabilities; vLLM's
+  rejection sampler with `draft_prob = 1`): a draft d is accepted with probability p(d); on rejection a
+  token is sampled from p without d.
+
+Both emit samples of the target's own distribution (lossless), and under both a draft is accepted iff it
+equals the token emitted at its position. So the offline replay over the tokens an online loop emitted
+gives exactly that loop's acceptance lengths, at any temperature.
+"""
+
+import hashlib
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+import torch
+
+Verification = Literal["match", "rejection"]
+VERIFICATIONS: tuple[Verification, ...] = ("match", "rejection")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings (SGLang's names): temperature 0 is greedy, and then the others must be off."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off (SGLang and vLLM also take -1)
+    top_p: float = 1.0
+    min_p: float = 0.0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also NaN
+            raise ValueError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"--top-k must be a whole number, 0 (off) or more, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must lie in (0, 1] (1 = off), got {self.top_p}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"--min-p must lie in [0, 1) (0 = off), got {self.min_p}")
+        if self.greedy and (self.top_k, self.top_p, self.min_p) != (0, 1.0, 0.0):
+            raise ValueError("--top-k, --top-p and --min-p apply at a temperature above 0: at temperature 0 "
+                             "decoding is greedy (set --temperature, or leave them off)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def identity(self) -> dict:
+        """What the references' key holds of the settings ({"temperature": 0.0} for greedy, as always)."""
+        return {"temperature": 0.0} if self.greedy else {k: float(v) if k != "top_k" else v
+                                                         for k, v in asdict(self).items()}
+
+    def describe(self) -> str:
+        """For names and logs: "greedy", or e.g. "T=0.6 top-k 20 top-p 0.95"."""
+        if self.greedy:
+            return "greedy"
+        parts = [f"T={self.temperature:g}"]
+        parts += [f"top-k {self.top_k}"] if self.top_k else []
+        parts += [f"top-p {self.top_p:g}"] if self.top_p < 1 else []
+        parts += [f"min-p {self.min_p:g}"] if self.min_p else []
+        return " ".join(parts)
+
+    def probabilities(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are sampled from, float32, for logits [..., V] (greedy: one-hot argmax)."""
+        logits = logits.float()
+        if self.greedy:
+            return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        scores = logits / self.temperature
+        if self.top_k and self.top_k < scores.shape[-1]:
+            kth = scores.topk(self.top_k, dim=-1).values[..., -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        p = scores.softmax(-1)
+        if self.top_p < 1:
+            sorted_p, order = p.sort(-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # mass of the more likely tokens
+            drop = before >= self.top_p
+            drop[..., 0] = False  # the most likely token always stays
+            p = p.masked_fill(drop.scatter(-1, order, drop), 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        if self.min_p:
+            p = p.masked_fill(p < self.min_p * p.amax(-1, keepdim=True), 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+    def sample(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """One token per row of logits [..., V] ([...] long): the argmax when greedy, else a draw."""
+        if self.greedy:
+            return logits.argmax(-1)
+        return draw(self.probabilities(logits), generator)
+
+
+GREEDY = Sampling()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [..., V]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def verify_block(drafts: list[int], logits: torch.Tensor, sampling: Sampling, rule: Verification,
+                 generator: torch.Generator | None) -> list[int]:
+    """The tokens one speculative step emits: the accepted drafts, then the target's token after them.
+
+    drafts: the B-1 drafted tokens; logits [B, V]: the target's logits after the block's first token and
+    after each draft (row j predicts the token at draft position j). The result has 1..B tokens, and its
+    first len - 1 are the accepted drafts."""
+    if sampling.greedy or rule == "match":
+        posterior = sampling.sample(logits, generator).tolist()  # the target's token at every position
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == posterior[accepted]:
+            accepted += 1
+        return drafts[:accepted] + [posterior[accepted]]
+    if rule != "rejection":
+        raise ValueError(f"verification rule {rule!r}: use one of {', '.join(VERIFICATIONS)}")
+    probs = sampling.probabilities(logits)
+    for j, d in enumerate(drafts):
+        u = torch.rand((), generator=generator, device=probs.device)
+        if u < probs[j, d]:
+            continue
+        residual = probs[j].clone()
+        residual[d] = 0.0  # p without the rejected draft (draw renormalises)
+        return drafts[:j] + [int(draw(residual, generator))]
+    return drafts + [int(draw(probs[len(drafts)], generator))]
+
+
+def sample_seed(seed: int, *item) -> int:
+    """The seed of one sampled completion request: from the run's seed and what names the request (the
+    prompt's id, the sample's index, the turn), so each is reproducible alone, whatever order or process
+    asks for it. Below 2**31: every server takes it (some seed numpy, which wants 32 bits)."""
+    digest = hashlib.sha256("\0".join(map(str, (seed, *item))).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF

@@ -1,0 +1,142 @@
+"""Acceptance as it is served, through the flow on the tiny trained run: sampled references (--temperature,
+--samples, --seed), completions you already have (--references FILE), fewer draft tokens (--block-size), each
+cached as the greedy path is, on a local store, on S3 and on a Dask cluster."""
+
+import json
+
+import pytest
+import torch
+
+from dflash_core.decoding import decode, speculative_decode
+from dflash_core.drafter import load_drafter
+from dflash_core.sampling import Sampling, sample_seed
+from dflash_core.target import load_target, read_target_config
+from dflash_eval.storage import Store
+from tests.test_pipeline import MAX_NEW, N_PROMPTS, STAGES, evaluate
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95, samples=2, seed=0)
+SETTINGS = Sampling(0.6, 20, 0.95)
+
+
+def prompt_ids(tiny) -> list[dict]:
+    return [json.loads(line) for line in tiny.prompts.read_text().splitlines()]
+
+
+def test_sampled_references_through_the_flow(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    first, _ = evaluate(tiny, store, step=0, **SAMPLED)
+    assert first["stages"] == dict.fromkeys(STAGES, "ran")
+    second, _ = evaluate(tiny, store, step=-1, **SAMPLED)
+    assert second["stages"] == {"fetch": "ran", "references": "cached", "features": "cached", "drafts": "ran",
+                                "scores": "ran"}
+    assert second["sampling"] == {**SETTINGS.identity(), "samples": 2, "seed": 0}
+    assert second["samples_per_prompt"] == 2 and second["n_prompts"] == 2 * N_PROMPTS
+    prompts = prompt_ids(tiny)
+    assert [p["id"] for p in second["per_prompt"]] == [f"{p['id']}#s{k}" for p in prompts for k in (0, 1)]
+
+    # each stored completion is the target's sample with the request's own seed, and the samples differ
+    target = load_target(tiny.target_dir, dtype=torch.float32)
+    eos = list(read_target_config(tiny.target_dir).eos_token_ids)
+    refs = Store(store).entry("references", second["keys"]["references"])
+    for n, prompt in enumerate(prompts[:3]):
+        stored = [json.loads((refs / f"seq_{2 * n + k}.json").read_text())["turns"][0]["token_ids"] for k in (0, 1)]
+        for k in (0, 1):
+            generator = torch.Generator().manual_seed(sample_seed(0, prompt["id"], k, 0))
+            assert stored[k] == decode(target, prompt["input_ids"], MAX_NEW, eos, SETTINGS, generator)
+    assert len({tuple(json.loads(p.read_text())["turns"][0]["token_ids"]) for p in refs.glob("seq_*.json")}) > N_PROMPTS
+
+    # greedy on the same store: other references, its own history group; the sampled run's interval is two-level
+    greedy, _ = evaluate(tiny, store, step=-1)
+    assert greedy["keys"]["references"] != second["keys"]["references"] and "sampling" not in greedy
+    from dflash_eval.flows.history import history
+
+    titles = sorted(g.title for g in history(Store(store)))
+    assert len(titles) == 2 and any("T=0.6 top-k 20 top-p 0.95, 2 samples per prompt (seed 0)" in t for t in titles)
+    from dflash_eval.flows.report import write_report
+
+    report = write_report(Store(store), tmp_path / "report").read_text()
+    assert "Checkpoints at every setting evaluated" in report and "T=0.6 top-k 20 top-p 0.95 x2 (group" in report
+    # another seed: other samples, another references entry
+    reseeded, _ = evaluate(tiny, store, step=-1, **{**SAMPLED, "seed": 1})
+    assert reseeded["stages"]["references"] == "ran" and reseeded["tau_macro"] != second["tau_macro"]
+
+
+def test_completions_you_already_have_score_as_the_references_they_are(tiny, tmp_path, prefect_api_url):
+    """The greedy run's own completions given as a file score exactly as the greedy run; a text line is flagged."""
+    store = tmp_path / "store"
+    greedy, _ = evaluate(tiny, store, step=-1)
+    refs = Store(store).entry("references", greedy["keys"]["references"])
+    lines = []
+    for n in range(N_PROMPTS):
+        record = json.loads((refs / f"seq_{n}.json").read_text())
+        turn = record["turns"][0]
+        lines.append({"id": record["id"], "category": record["category"],
+                      "input_ids": turn["token_ids"][:turn["prompt_len"]],
+                      "completion_ids": turn["token_ids"][turn["prompt_len"]:]})
+    given = tmp_path / "logged.jsonl"
+    given.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    results, _ = evaluate(tiny, store, step=-1, references=str(given))
+    assert results["stages"] == {"fetch": "cached", "references": "ran", "features": "ran", "drafts": "ran",
+                                 "scores": "ran"}
+    assert results["references_file"] == str(given)
+    assert [p["acceptance_lengths"] for p in results["per_prompt"]] == \
+        [p["acceptance_lengths"] for p in greedy["per_prompt"]]
+    assert results["tau_macro"] == greedy["tau_macro"] and results["unverified_references"] == []
+    again, _ = evaluate(tiny, store, step=0, references=str(given))
+    assert again["stages"]["references"] == again["stages"]["features"] == "cached"
+
+    # the same id twice: two samples of one prompt; a text completion is tokenized here and flagged
+    tokenizer_line = {"id": "as-text", "text": "def add(a, b):", "completion": "\n    return a + b\n"}
+    given.write_text("".join(json.dumps(line) + "\n" for line in [lines[0], lines[0], tokenizer_line]))
+    mixed, _ = evaluate(tiny, store, step=-1, references=str(given))
+    assert [p["id"] for p in mixed["per_prompt"]] == [f"{lines[0]['id']}#s0", f"{lines[0]['id']}#s1", "as-text"]
+    assert mixed["unverified_references"] == ["as-text"] and mixed["samples_per_prompt"] == 2
+
+
+def test_fewer_draft_tokens_through_the_flow(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    full, _ = evaluate(tiny, store, step=-1)
+    four, _ = evaluate(tiny, store, step=-1, block_size=4)
+    assert four["stages"] == {"fetch": "cached", "references": "cached", "features": "cached", "drafts": "ran",
+                              "scores": "ran"}
+    assert four["block_size"] == 4 and four["chosen_block_size"] == 4 and list(four["histogram"]) == ["1", "2", "3", "4"]
+    assert four["tau_macro"] < full["tau_macro"]
+    # the online loop verifying blocks of 4 gives the same lengths
+    target = load_target(tiny.target_dir, dtype=torch.float32)
+    drafter = load_drafter(tiny.drafter_steps[-1])
+    eos = list(read_target_config(tiny.target_dir).eos_token_ids)
+    for prompt, scored in zip(prompt_ids(tiny)[:4], four["per_prompt"]):
+        online = speculative_decode(target, drafter, prompt["input_ids"], MAX_NEW, eos, block_size=4)
+        assert scored["acceptance_lengths"] == online.acceptance_lengths
+    from dflash_eval.flows.history import history
+
+    titles = sorted(g.title for g in history(Store(store)))
+    assert len(titles) == 2 and any(t.endswith("blocks of 4 (causal sliding layers)") for t in titles)
+
+
+def test_sampled_run_on_object_storage_equals_the_local_one(tiny, s3_url, tmp_path, prefect_api_url, monkeypatch):
+    local, _ = evaluate(tiny, tmp_path / "local", **SAMPLED, block_size=4)
+    monkeypatch.setenv("DFLASH_STORE_CACHE", str(tmp_path / "machine"))
+    on_s3, _ = evaluate(tiny, s3_url, **SAMPLED, block_size=4)
+    assert on_s3["keys"] == local["keys"] and on_s3["per_prompt"] == local["per_prompt"]
+    assert on_s3["tau_macro_ci95"] == local["tau_macro_ci95"]
+
+
+def test_a_block_size_sweep_shares_the_features_and_projects_speedups(tiny, tmp_path, prefect_api_url):
+    store = tmp_path / "store"
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"2": 1.05, "4": 1.1, "8": 1.25}))
+    results, _ = evaluate(tiny, store, step=-1, block_sizes=[8, 2, 4], step_cost=str(costs))
+    sweep = results["block_sweep"]
+    assert [row["block_size"] for row in sweep] == [2, 4, 8]
+    assert sweep[0]["tau_macro"] < sweep[1]["tau_macro"] < sweep[2]["tau_macro"] <= 8
+    assert sweep[2]["tau_macro"] == results["tau_macro"]  # b 8 is the drafter's own block: the main drafts entry
+    assert results["stages"]["drafts b8"] == "cached" and results["stages"]["drafts b2"] == "ran"
+    for row, cost in zip(sweep, (1.05, 1.1, 1.25)):
+        assert row["projected_speedup"] == pytest.approx(row["tau_macro"] / cost)
+        assert row["tau_per_token"] == pytest.approx(row["tau_macro"] / row["block_size"])
+    # each size is the entry a run at --block-size b makes: found in the store
+    four, _ = evaluate(tiny, store, step=-1, block_size=4)
+    assert four["stages"]["drafts"] == "cached" and four["tau_macro"] == sweep[1]["tau_macro"]
