@@ -219,7 +219,7 @@ def test_a_scheduler_that_does_not_answer_gets_one_message_and_nothing_runs(tiny
 
 def test_a_sampled_run_at_fewer_draft_tokens_on_the_cluster_equals_one_in_this_process(cluster, tiny_qwen3_run,
                                                                                          prompts, tmp_path):
-    served = dict(temperature=0.6, top_k=20, top_p=0.95, samples=2, seed=0, block_size=4)
+    served = dict(temperature=0.6, top_k=20, top_p=0.95, samples=2, seed=0, block_size=4, block_sizes=[2, 4])
     here_store = tmp_path / "here"
     here = evaluate(tiny_qwen3_run, prompts, here_store, **served)
     store = tmp_path / "store"
@@ -229,3 +229,4 @@ def test_a_sampled_run_at_fewer_draft_tokens_on_the_cluster_equals_one_in_this_p
     assert results["keys"] == here["keys"] and results["per_prompt"] == here["per_prompt"]
     assert drafts_bytes(store, results) == drafts_bytes(here_store, here)
     assert len(results["per_prompt"]) == 2 * N_PROMPTS and results["block_size"] == 4
+    assert results["block_sweep"] == here["block_sweep"] and results["cluster"]["shards"]["drafts"]

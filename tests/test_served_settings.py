@@ -24,6 +24,14 @@ def prompt_ids(tiny) -> list[dict]:
     return [json.loads(line) for line in tiny.prompts.read_text().splitlines()]
 
 
+def client_artifacts(flow_run_id):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+
+
 def test_sampled_references_through_the_flow(tiny, tmp_path, prefect_api_url):
     store = tmp_path / "store"
     first, _ = evaluate(tiny, store, step=0, **SAMPLED)
@@ -116,12 +124,37 @@ def test_fewer_draft_tokens_through_the_flow(tiny, tmp_path, prefect_api_url):
     assert len(titles) == 2 and any(t.endswith("blocks of 4 (causal sliding layers)") for t in titles)
 
 
-def test_sampled_run_on_object_storage_equals_the_local_one(tiny, s3_url, tmp_path, prefect_api_url, monkeypatch):
-    local, _ = evaluate(tiny, tmp_path / "local", **SAMPLED, block_size=4)
+def test_served_settings_on_object_storage_equal_the_local_ones(tiny, s3_url, tmp_path, prefect_api_url,
+                                                                 monkeypatch):
+    local, _ = evaluate(tiny, tmp_path / "local", **SAMPLED, block_sizes=[4, 8])
     monkeypatch.setenv("DFLASH_STORE_CACHE", str(tmp_path / "machine"))
-    on_s3, _ = evaluate(tiny, s3_url, **SAMPLED, block_size=4)
+    on_s3, _ = evaluate(tiny, s3_url, **SAMPLED, block_sizes=[4, 8])
     assert on_s3["keys"] == local["keys"] and on_s3["per_prompt"] == local["per_prompt"]
-    assert on_s3["tau_macro_ci95"] == local["tau_macro_ci95"]
+    assert on_s3["tau_macro_ci95"] == local["tau_macro_ci95"] and on_s3["block_sweep"] == local["block_sweep"]
+    # completions you already have, stored on S3: the local run's sampled completions score as they did
+    refs = Store(tmp_path / "local").entry("references", local["keys"]["references"])
+    given = tmp_path / "given.jsonl"
+    with given.open("w") as f:
+        for n in range(2 * N_PROMPTS):
+            turn = json.loads((refs / f"seq_{n}.json").read_text())["turns"][0]
+            f.write(json.dumps({"id": f"p{n // 2}", "input_ids": turn["token_ids"][:turn["prompt_len"]],
+                                "completion_ids": turn["token_ids"][turn["prompt_len"]:]}) + "\n")
+    from_file, _ = evaluate(tiny, s3_url, references=str(given))
+    assert [p["acceptance_lengths"] for p in from_file["per_prompt"]] == \
+        [p["acceptance_lengths"] for p in local["per_prompt"]]
+    assert from_file["tau_macro_ci95"] == local["tau_macro_ci95"]  # the same samples of the same prompts
+
+
+def test_the_run_name_tags_and_summary_show_the_setting(tiny, tmp_path, prefect_api_url):
+    from prefect import get_client
+
+    results, flow_run_id = evaluate(tiny, tmp_path / "store", **SAMPLED, block_size=4)
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+    assert run.name.endswith("T=0.6 x2 b4")
+    assert {"sampling:T=0.6 top-k 20 top-p 0.95", "samples:2", "block-size:4"} <= set(run.tags)
+    summaries = [a for a in client_artifacts(flow_run_id) if a.type == "markdown"]
+    assert any("T=0.6 top-k 20 top-p 0.95 (2 per prompt)" in a.data for a in summaries)
 
 
 def test_a_block_size_sweep_shares_the_features_and_projects_speedups(tiny, tmp_path, prefect_api_url):
