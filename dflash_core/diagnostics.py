@@ -68,11 +68,13 @@ def first_divergences(
     results: Sequence[ReplayResult],
     decode: Callable[[list[int]], str],
     context_tokens: int = 24,
+    block_size: int | None = None,
 ) -> list[dict | None]:
     """Per reference, its first step that rejected a draft (None when every step accepted all it could):
     step index, position in the completion, drafts accepted, and as text: the `context_tokens` tokens
     before the block (ending with the bonus token R[start]; the prompt's tail for an early step), the
-    drafted block and the reference's tokens there."""
+    drafted block and the reference's tokens there. block_size: the blocks the steps were drafted with
+    (default the drafter's own)."""
     found: dict[int, tuple[int, int, int]] = {}  # reference -> (step, start, acceptance length) of its first rejection
     for s, (_, result) in enumerate(zip(references, results)):
         step = next((i for i, r in enumerate(result.rejected_drafts) if r >= 0), None)
@@ -83,13 +85,13 @@ def first_divergences(
         return [None] * len(references)
     # only the references with a divergence need their context in the scorer
     scorer = BlockScorer(drafter, embed_weight, head_weight, [references[s] for s, _ in wanted],
-                         [features[s] for s, _ in wanted])
+                         [features[s] for s, _ in wanted], block_size)
     drafted = scorer.draft_tokens([(n, start) for n, (_, start) in enumerate(wanted)])
     out: list[dict | None] = [None] * len(references)
     for (s, start), block in zip(wanted, drafted):
         step, _, length = found[s]
         tokens = list(references[s].token_ids)
-        truth = tokens[start + 1:start + drafter.block_size]
+        truth = tokens[start + 1:start + scorer.B]
         out[s] = {
             "step": step,
             "position": start - references[s].prompt_len,  # of the bonus token, in the completion

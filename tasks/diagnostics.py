@@ -64,7 +64,8 @@ def diagnose(
     refresh: bool = False,
 ):
     """Tau with each layer's features zeroed, with all of them, with shifted layers, with the other
-    sliding semantics; and the first rejected draft of each prompt, as text. `features` must hold
+    sliding semantics, each at the block size the drafts were verified with; and the first rejected draft of
+    each prompt, as text. `features` must hold
     layers_needed(...) (the flow extracts them with the drafter's)."""
     store = Store(store_location)
     key = key_of({"drafts": drafts.key, "offsets": list(DEFAULT_OFFSETS), "examples": EXAMPLES,
@@ -105,12 +106,15 @@ def diagnose(
                 drafter_inputs = [variant_features(Variant("unmodified", ids), f) for f in by_layer]
                 for variant in variants:
                     results[variant.name] += replay(drafter, embed, lm_head, references,
-                                                    [variant_features(variant, f) for f in by_layer])
+                                                    [variant_features(variant, f) for f in by_layer],
+                                                    block_size=drafts.block_size)
                 if switched is not None:
-                    switched_results += replay(switched, embed, lm_head, references, drafter_inputs)
+                    switched_results += replay(switched, embed, lm_head, references, drafter_inputs,
+                                               block_size=drafts.block_size)
                 if len(examples) < EXAMPLES:
                     found = first_divergences(drafter, embed, lm_head, references, drafter_inputs,
-                                              unmodified[start:start + len(group)], tokenizer.decode)
+                                              unmodified[start:start + len(group)], tokenizer.decode,
+                                              block_size=drafts.block_size)
                     examples += [{"id": items[n].id, "category": items[n].category, **example}
                                  for n, example in zip(group, found) if example is not None]
                 progress.update(group.stop)

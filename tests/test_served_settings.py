@@ -173,3 +173,14 @@ def test_a_block_size_sweep_shares_the_features_and_projects_speedups(tiny, tmp_
     # each size is the entry a run at --block-size b makes: found in the store
     four, _ = evaluate(tiny, store, step=-1, block_size=4)
     assert four["stages"]["drafts"] == "cached" and four["tau_macro"] == sweep[1]["tau_macro"]
+
+
+def test_diagnostics_replay_at_the_block_size_verified(tiny, tmp_path, prefect_api_url):
+    results, _ = evaluate(tiny, tmp_path / "store", step=-1, block_size=4, until="diagnostics")
+    diagnostics = results["diagnostics"]
+    assert diagnostics["first_divergence"], "no rejected draft to show"
+    # each example's draft is the b-1 = 3 tokens a block of 4 drafts, not the drafter's 7
+    assert all(len(d["drafted_tokens"]) <= 3 for d in diagnostics["first_divergence"])
+    assert max(len(d["drafted_tokens"]) for d in diagnostics["first_divergence"]) == 3
+    for probe in diagnostics["layer_offset_probe"]:
+        assert probe["tau_macro"] is None or probe["tau_macro"] <= 4
