@@ -51,7 +51,8 @@ repeat: its lines are samples of one prompt (`<id>#s<k>`, k from 0 in file order
 """
 
 import json
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -251,24 +252,17 @@ def _read_record(record: dict, at: _Line, tokenizer, thinking: bool, vocab_size:
     return Prompt(id=prompt_id, input_ids=ids, category=category, line=at.number, source=source, turns=all_turns)
 
 
-def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | None = None) -> list[Prompt]:
-    """Read a JSONL prompt set (see the module docstring) into token ids, in file order.
-
-    `tokenizer` is the target's Hugging Face tokenizer; `thinking` is passed to its chat
-    template as `enable_thinking` for `messages`/`turns` prompts; with `vocab_size`, every
-    token id must be below it. The first problem in the file raises `PromptError`.
-    """
-    path = Path(path)
+def _json_objects(path: Path, kind: str) -> Iterator[tuple[_Line, dict]]:
+    """(line, object) for every non-blank line of a JSONL file; `kind` ("prompt file", "completions file")
+    names it in the PromptError a missing, unreadable or malformed file or line raises."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise PromptError(f"{path}: prompt file not found; check the path") from None
+        raise PromptError(f"{path}: {kind} not found; check the path") from None
     except IsADirectoryError:
-        raise PromptError(f"{path} is a directory, not a prompt file; give the JSONL file in it") from None
+        raise PromptError(f"{path} is a directory, not a {kind}; give the JSONL file in it") from None
     except OSError as error:
-        raise PromptError(f"{path}: cannot read the prompt file: {error}") from error
-    prompts: list[Prompt] = []
-    first_line_of: dict[str, int] = {}
+        raise PromptError(f"{path}: cannot read the {kind}: {error}") from error
     for number, raw in enumerate(data.split(b"\n"), start=1):
         at = _Line(path, number)
         try:
@@ -285,6 +279,19 @@ def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | N
             ) from None
         if not isinstance(record, dict):
             raise at.error(f"expected a JSON object, got {_type_name(record)}; write one JSON object per line")
+        yield at, record
+
+
+def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | None = None) -> list[Prompt]:
+    """Read a JSONL prompt set (see the module docstring) into token ids, in file order.
+
+    `tokenizer` is the target's Hugging Face tokenizer; `thinking` is passed to its chat
+    template as `enable_thinking` for `messages`/`turns` prompts; with `vocab_size`, every
+    token id must be below it. The first problem in the file raises `PromptError`.
+    """
+    prompts: list[Prompt] = []
+    first_line_of: dict[str, int] = {}
+    for at, record in _json_objects(Path(path), "prompt file"):
         prompt = _read_record(record, at, tokenizer, thinking, vocab_size)
         if prompt.id in first_line_of:
             raise at.error(
@@ -292,7 +299,7 @@ def read_prompts(path, tokenizer, *, thinking: bool = False, vocab_size: int | N
                 "in the file",
                 "id",
             )
-        first_line_of[prompt.id] = number
+        first_line_of[prompt.id] = at.number
         prompts.append(prompt)
     if not prompts:
         raise PromptError(f"{path}: no prompts (the file is empty or only blank lines); write one JSON object per line")
@@ -418,38 +425,14 @@ def read_completions(path, tokenizer, *, thinking: bool = False, vocab_size: int
     """Read a completions file (see the module docstring), in file order; the first problem raises
     `PromptError` naming the file, line and field."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise PromptError(f"{path}: completions file not found; check the path") from None
-    except IsADirectoryError:
-        raise PromptError(f"{path} is a directory, not a completions file; give the JSONL file in it") from None
-    except OSError as error:
-        raise PromptError(f"{path}: cannot read the completions file: {error}") from error
     lines = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        at = _Line(path, number)
-        try:
-            line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError as error:
-            raise at.error(f"not valid UTF-8 ({error}); save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise at.error(f"not valid JSON ({error.msg} at column {error.colno}); write one JSON object per "
-                           "line") from None
-        if not isinstance(record, dict):
-            raise at.error(f"expected a JSON object, got {_type_name(record)}; write one JSON object per line")
+    for at, record in _json_objects(path, "completions file"):
         lines.append(_read_completion(record, at, tokenizer, thinking, vocab_size))
     if not lines:
         raise PromptError(f"{path}: no completions (the file is empty or only blank lines); write one JSON object "
                           "per line")
-    counts: dict[str, int] = {}
-    for line_id, *_ in lines:
-        counts[line_id] = counts.get(line_id, 0) + 1
-    seen: dict[str, int] = {}
+    counts = Counter(line_id for line_id, *_ in lines)
+    seen: dict[str, int] = {}  # samples of each id so far
     completions = []
     for line_id, category, input_ids, completion_ids, retokenized in lines:
         k = seen[line_id] = seen.get(line_id, -1) + 1

@@ -64,6 +64,11 @@ class Sampling:
         return {"temperature": 0.0} if self.greedy else {k: float(v) if k != "top_k" else v
                                                          for k, v in asdict(self).items()}
 
+    @classmethod
+    def from_identity(cls, identity: dict) -> "Sampling":
+        """The settings an identity() (or a record holding one, with more keys) describes."""
+        return cls(**{k: identity[k] for k in ("temperature", "top_k", "top_p", "min_p") if k in identity})
+
     def describe(self) -> str:
         """For names and logs: "greedy", or e.g. "T=0.6 top-k 20 top-p 0.95"."""
         if self.greedy:

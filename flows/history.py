@@ -220,8 +220,7 @@ def sampling_label(sampling: dict | None) -> str:
     """How a references record's sampling reads: "greedy", or e.g. "T=0.6 top-k 20, 8 samples per prompt"."""
     if not sampling:
         return "greedy"
-    settings = Sampling(sampling["temperature"], sampling["top_k"], sampling["top_p"], sampling["min_p"])
-    return f"{settings.describe()}, {sampling['samples']} samples per prompt (seed {sampling['seed']})"
+    return f"{Sampling.from_identity(sampling).describe()}, {sampling['samples']} samples per prompt (seed {sampling['seed']})"
 
 
 def source_name(source: str) -> str:

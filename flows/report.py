@@ -180,20 +180,17 @@ def side_by_side(groups: list[Group]) -> SideBySide | None:
     """Each checkpoint scored at more than one setting (groups of different `setting`: greedy or sampled, a
     chosen block size), with its tau macro in every such group (None where it was not scored), in the groups'
     order; None when there is no such checkpoint."""
-    seen: dict[str, list[Group]] = {}
-    for group in groups:
+    rows_of: dict[str, dict[int, HistoryRow]] = {}  # checkpoint -> {group index: its row there}
+    for index, group in enumerate(groups):
         for row in group.rows:
-            seen.setdefault(row.checkpoint, []).append(group)
-    shared = [key for key, found in seen.items() if len({g.setting for g in found}) > 1]
+            rows_of.setdefault(row.checkpoint, {})[index] = row
+    shared = [found for found in rows_of.values() if len({groups[i].setting for i in found}) > 1]
     if not shared:
         return None
-    columns = [g for g in groups if any(g in seen[key] for key in shared)]
-    rows = []
-    for key in shared:
-        by_group = {id(g): r for g in columns for r in g.rows if r.checkpoint == key}
-        label = next(iter(by_group.values())).label
-        rows.append((label, [by_group[id(g)].tau_macro if id(g) in by_group else None for g in columns]))
-    return SideBySide([f"{g.setting} (group {groups.index(g) + 1})" for g in columns], rows)
+    columns = sorted({i for found in shared for i in found})
+    rows = [(next(iter(found.values())).label, [found[i].tau_macro if i in found else None for i in columns])
+            for found in shared]
+    return SideBySide([f"{groups[i].setting} (group {i + 1})" for i in columns], rows)
 
 
 def _render(report: Report, form: str) -> str:

@@ -102,8 +102,7 @@ def outcome(results: dict) -> str:
     step = results["drafter"]["step"]
     served = ""
     if sampling := results.get("sampling"):
-        settings = Sampling(*(sampling[k] for k in ("temperature", "top_k", "top_p", "min_p")))
-        served += f" at {settings.describe()} ({sampling['samples']} samples per prompt)"
+        served += f" at {Sampling.from_identity(sampling).describe()} ({sampling['samples']} samples per prompt)"
     if "chosen_block_size" in results:
         served += f", blocks of {results['chosen_block_size']}"
     return (f"tau {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}){served}, pooled "
