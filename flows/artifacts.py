@@ -32,8 +32,9 @@ from .report_server import report_url
 RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
 
 
-def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
-    """Rewrite the report and publish the scores, summary and report-link artifacts; returns their keys."""
+def publish(results: dict, store: Store, report_dir: Path, step_costs: dict[int, float] | None = None) -> dict[str, str]:
+    """Rewrite the report (step_costs: --step-cost, for its projected speedups) and publish the scores, summary
+    and report-link artifacts; returns their keys."""
     logger = get_run_logger()
     series = series_key(results["target"], results["prompts"])
     keys = {name: f"{series}-{name}" for name in ("scores", "history", "summary", "report")}
@@ -51,7 +52,7 @@ def publish(results: dict, store: Store, report_dir: Path) -> dict[str, str]:
     try:
         from .report import tau_plot_path, write_report  # matplotlib: imported only when a run has scores to show
 
-        report = write_report(store, report_dir, groups=groups)  # the store's scores, read once
+        report = write_report(store, report_dir, groups=groups, step_costs=step_costs)  # the store's scores, read once
         if found is not None and any(r.step is not None for r in found[0].rows):
             plot = tau_plot_path(groups.index(found[0]) + 1)
     except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them

@@ -106,7 +106,8 @@ def evaluate(inputs: EvaluationInputs):
     if not inputs.runs("scores"):
         return results
     opened = Store(store)
-    publish(results, opened, Path(inputs.report_dir) if inputs.report_dir else opened.root / "report")
+    publish(results, opened, Path(inputs.report_dir) if inputs.report_dir else opened.root / "report",
+            step_costs=inputs.checked.step_costs)
     _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
     found = outcome(results)
     get_run_logger().info(found)

@@ -79,7 +79,8 @@ class Group:
     features: str  # features key (target + references)
     sliding_semantics: str
     chosen_block_size: int | None  # --block-size; None: each drafter's own
-    title: str  # "<target> on <prompts>", for people
+    title: str  # "<target> on <prompts>, ...", for people
+    sweep_title: str  # the title without the block size: the same for every block size of one sweep
     setting: str  # how it is served, in short: "greedy", "T=0.6 top-k 20 x8", "greedy, blocks of 4", ...
     rows: list[HistoryRow] = field(default_factory=list)  # candidates in history order (module doc), then baselines
 
@@ -193,9 +194,10 @@ def find_group(groups: list[Group], scores_key: str) -> tuple[Group, HistoryRow]
     return None
 
 
-def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None) -> tuple[str, str]:
-    """A group's (title, setting): the title for people, the setting in short (how the references were made,
-    the block size when chosen)."""
+def _describe(store: Store, features_key: str, sliding_semantics: str,
+              chosen_block_size: int | None) -> tuple[str, str, str]:
+    """A group's (title, sweep title, setting): the title for people, that title without the block size, the
+    setting in short (how the references were made, the block size when chosen)."""
     blocks = f", blocks of {chosen_block_size}" if chosen_block_size else ""
     try:
         # a title only: records, no files read
@@ -203,7 +205,8 @@ def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_bl
         references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
                                                                     verify=False))
     except (EntryMissing, KeyError):
-        return f"features {features_key[:12]} ({sliding_semantics} sliding layers)", f"features {features_key[:12]}"
+        title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
+        return title + blocks, title, f"features {features_key[:12]}" + blocks
     target = Path(references.target or "").name or "target"  # entries from before it was recorded
     prompts = Path(references.prompts).name or "prompts"
     if references.backend.get("kind") == "given":
@@ -211,9 +214,10 @@ def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_bl
     else:
         made = sampling_label(references.sampling)
     served = "" if made == "greedy" else f", {made}"
-    title = f"{target} on {prompts}, {references.max_new_tokens} new tokens{served}{blocks} ({sliding_semantics} sliding layers)"
+    title = f"{target} on {prompts}, {references.max_new_tokens} new tokens{served}"
+    semantics = f" ({sliding_semantics} sliding layers)"
     short = made if not references.sampling else f"{made.split(',')[0]} x{references.sampling['samples']}"
-    return title, short + blocks
+    return title + blocks + semantics, title + semantics, short + blocks
 
 
 def sampling_label(sampling: dict | None) -> str:

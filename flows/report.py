@@ -139,6 +139,31 @@ class SideBySide:
 
 
 @dataclass(frozen=True)
+class BlockSizeRow:
+    """One checkpoint verified at one block size b."""
+
+    checkpoint: str  # its label
+    block_size: int
+    tau_macro: float
+    tau_macro_ci95: tuple[float, float] | None
+    projected_speedup: float | None  # tau(b) / step cost(b), given --step-cost; None: no cost for b
+
+    @property
+    def tau_per_token(self) -> float:
+        """Tokens emitted per token verified: what each verified position earns."""
+        return self.tau_macro / self.block_size
+
+
+@dataclass(frozen=True)
+class BlockSweep:
+    """Checkpoints scored at several block sizes on the same references (--block-sizes, --block-size)."""
+
+    title: str  # the groups' sweep title
+    rows: list[BlockSizeRow]  # by checkpoint (in history order), then block size
+    costed: bool  # some row has a projected speedup: the table shows the column
+
+
+@dataclass(frozen=True)
 class Report:
     """What the report shows, rendered by templates/report.j2."""
 
@@ -146,17 +171,21 @@ class Report:
     written: datetime  # UTC
     groups: list[GroupSection]
     side_by_side: SideBySide | None  # None: no checkpoint was evaluated at two settings
+    block_sweeps: list[BlockSweep]
 
     def plots(self) -> list[Plot]:
         """Every plot of the report."""
         return [p for g in self.groups for p in g.plots()]
 
 
-def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group] | None = None) -> Path:
+def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group] | None = None,
+                 step_costs: dict[int, float] | None = None) -> Path:
     """Write `out_dir/report.html` (self-contained), `out_dir/report.md` and its plots `out_dir/img/*.png`;
     return the HTML path. `last`: how many of the newest checkpoints of each group the acceptance curves,
     histograms and category table show (with the baselines). groups: history(store), when the caller
-    has it already. Raises NothingToReport on a store without scores."""
+    has it already. step_costs: {b: cost of a speculative step verifying b tokens / a plain decode step}
+    (--step-cost), for the projected speedup per block size; they describe the serving box, not a
+    checkpoint, so the store does not keep them. Raises NothingToReport on a store without scores."""
     groups = history(store) if groups is None else groups
     if not groups:
         raise NothingToReport(f"no scored checkpoint in {store.location}: nothing to report")
@@ -164,7 +193,7 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
     report = Report(store=store.location, written=datetime.now(UTC),
                     groups=[_group_section(group, f"group{index}", max(1, last), diagnostics)
                             for index, group in enumerate(groups, start=1)],
-                    side_by_side=side_by_side(groups))
+                    side_by_side=side_by_side(groups), block_sweeps=block_sweeps(groups, step_costs or {}))
 
     out_dir = Path(out_dir)
     files = {out_dir / plot.file: plot.png for plot in report.plots()}
@@ -191,6 +220,27 @@ def side_by_side(groups: list[Group]) -> SideBySide | None:
     rows = [(next(iter(found.values())).label, [found[i].tau_macro if i in found else None for i in columns])
             for found in shared]
     return SideBySide([f"{groups[i].setting} (group {i + 1})" for i in columns], rows)
+
+
+def block_sweeps(groups: list[Group], step_costs: dict[int, float]) -> list[BlockSweep]:
+    """For each target, references and sliding semantics scored at more than one block size: every checkpoint
+    scored at two or more of them, with tau(b), tau(b)/b and, where step_costs has b, tau(b) / cost(b)."""
+    sweeps = []
+    for title in dict.fromkeys(g.sweep_title for g in groups):  # in the groups' order
+        sized = [(g, read_json(row.scores_path)["block_size"], row) for g in groups if g.sweep_title == title
+                 for row in g.rows]
+        if len({b for _, b, _ in sized}) < 2:
+            continue
+        rows = []
+        for checkpoint in dict.fromkeys(row.checkpoint for _, _, row in sized):
+            mine = sorted(((b, row) for _, b, row in sized if row.checkpoint == checkpoint), key=lambda found: found[0])
+            if len({b for b, _ in mine}) < 2:
+                continue
+            rows += [BlockSizeRow(row.label, b, row.tau_macro, row.tau_macro_ci95,
+                                  row.tau_macro / step_costs[b] if b in step_costs else None) for b, row in mine]
+        if rows:
+            sweeps.append(BlockSweep(title, rows, costed=any(r.projected_speedup is not None for r in rows)))
+    return sweeps
 
 
 def _render(report: Report, form: str) -> str:

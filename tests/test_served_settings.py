@@ -6,11 +6,13 @@ import json
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from dflash_core.decoding import decode, speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.sampling import Sampling, sample_seed
 from dflash_core.target import load_target, read_target_config
+from dflash_eval.flows.cli import app
 from dflash_eval.storage import Store
 from tests.test_pipeline import MAX_NEW, N_PROMPTS, STAGES, evaluate
 
@@ -170,9 +172,27 @@ def test_a_block_size_sweep_shares_the_features_and_projects_speedups(tiny, tmp_
     for row, cost in zip(sweep, (1.05, 1.1, 1.25)):
         assert row["projected_speedup"] == pytest.approx(row["tau_macro"] / cost)
         assert row["tau_per_token"] == pytest.approx(row["tau_macro"] / row["block_size"])
+    # the report the flow rewrote: tau(b), tau(b)/b and the projected speedup per b, labelled as projected
+    report = (store / "report" / "report.md").read_text()
+    assert "projected, not measured" in report
+    for row, cost in zip(sweep, (1.05, 1.1, 1.25)):
+        assert (f"| drafter/step_400 | {row['block_size']} | {row['tau_macro']:.3f} |" in report
+                and f"| {row['tau_macro'] / row['block_size']:.3f} | {row['tau_macro'] / cost:.2f}x |" in report)
     # each size is the entry a run at --block-size b makes: found in the store
     four, _ = evaluate(tiny, store, step=-1, block_size=4)
     assert four["stages"]["drafts"] == "cached" and four["tau_macro"] == sweep[1]["tau_macro"]
+
+    # `report --step-cost` with costs for some sizes only: the others show "-"; a bad cost file is refused
+    costs.write_text(json.dumps({"4": 1.1}))
+    result = CliRunner().invoke(app, ["report", "--store", str(store), "--out", str(tmp_path / "rep"),
+                                      "--step-cost", str(costs)])
+    assert result.exit_code == 0, result.output
+    report = (tmp_path / "rep" / "report.md").read_text()
+    assert f"| {sweep[1]['tau_macro'] / 1.1:.2f}x |" in report and f"| {sweep[0]['tau_macro'] / 2:.3f} | - |" in report
+    costs.write_text(json.dumps({"4": -1}))
+    result = CliRunner().invoke(app, ["report", "--store", str(store), "--out", str(tmp_path / "rep2"),
+                                      "--step-cost", str(costs)])
+    assert result.exit_code == 2 and "positive costs" in result.output and not (tmp_path / "rep2").exists()
 
 
 def test_diagnostics_replay_at_the_block_size_verified(tiny, tmp_path, prefect_api_url):

@@ -9,7 +9,7 @@ import typer
 from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT
 
 from .common import bind_report_server, open_store
-from .options import StoreRoot, example
+from .options import StepCost, StoreRoot, example
 
 app = typer.Typer()
 
@@ -55,6 +55,7 @@ def report_command(
                                       "interface).")] = DEFAULT_HOST,
     port: Annotated[int, typer.Option("--port", min=0, help="With --serve: port to listen on (0: any free "
                                       "one).")] = DEFAULT_PORT,
+    step_cost: StepCost = None,
 ):
     """Write a report of every scored checkpoint in the store: tau by training step, acceptance by draft
     position, acceptance-length histograms, tau per category, diagnostics. report.html is self-contained
@@ -63,15 +64,20 @@ def report_command(
     With --serve and no --out it writes <store>/report and serves it:
     `dflash-eval report --serve --host 0.0.0.0 --port 8765`.
     """
+    from dflash_eval.flows.checks import InputError, read_step_costs
     from dflash_eval.flows.report import NothingToReport, write_report
 
+    try:
+        step_costs = read_step_costs(step_cost, block_sizes=[])  # any block sizes: the report shows those it has
+    except InputError as e:
+        raise typer.BadParameter(str(e).removeprefix(f"--step-cost {step_cost}: "), param_hint="--step-cost") from None
     if out is None and not serve:
         raise typer.BadParameter("give the folder to write the report into (or --serve: <store>/report)",
                                  param_hint="--out")
     out = open_store(store).root / "report" if out is None else out
     server = bind_report_server(out, host, port, "--port") if serve else None  # a taken port fails before any work
     try:
-        html_path = write_report(open_store(store), out, last=last)
+        html_path = write_report(open_store(store), out, last=last, step_costs=step_costs)
     except NothingToReport as e:
         if server is not None:
             server.stop()
