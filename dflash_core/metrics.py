@@ -69,6 +69,16 @@ def tau_macro(prompts: Sequence[Steps]) -> float:
     return sum(mean_acceptance(p.acceptance_lengths) for p in prompts) / len(prompts)
 
 
+def teacher_forced_accuracy(position_hits: Sequence[Sequence[Sequence[int]]]) -> list[float | None]:
+    """Per draft position k = 1..B-1, the share of blocks (a block at every position of every completion)
+    whose position k matched the reference whatever the positions before it did: the accuracy training
+    logs. position_hits: per prompt, per position, (hits, blocks compared) (dflash_core.replay)."""
+    positions = len(position_hits[0]) if position_hits else 0
+    hits = [sum(p[k][0] for p in position_hits) for k in range(positions)]
+    compared = [sum(p[k][1] for p in position_hits) for k in range(positions)]
+    return [h / n if n else None for h, n in zip(hits, compared)]
+
+
 def tau_pooled(prompts: Sequence[PromptScore]) -> float:
     """Total tokens emitted / total target steps over all prompts."""
     return sum(sum(p.acceptance_lengths) for p in prompts) / sum(len(p.acceptance_lengths) for p in prompts)
@@ -122,17 +132,22 @@ def bootstrap_interval(prompts: Sequence[PromptScore], statistic, draws: int = 1
     prompt with several samples, its samples resampled with replacement (two levels)."""
     rng = random.Random(seed)
     groups = by_prompt(prompts)
+    return _percentiles([statistic(_two_levels(groups, rng)) for _ in range(draws)], level)
 
-    def resample() -> list[PromptScore]:
-        drawn = []
-        for group in (rng.choice(groups) for _ in groups):
-            drawn += group if len(group) == 1 else [rng.choice(group) for _ in group]
-        return drawn
 
-    values = sorted(statistic(resample()) for _ in range(draws))
-    low = values[int((1 - level) / 2 * draws)]
-    high = values[min(draws - 1, int((1 + level) / 2 * draws))]
-    return low, high
+def _two_levels(groups: Sequence[Sequence], rng: random.Random) -> list:
+    """One bootstrap draw: groups (prompts) with replacement, then within a drawn group of several (the
+    samples of one prompt) its members with replacement."""
+    drawn: list = []
+    for group in (rng.choice(groups) for _ in groups):
+        drawn += group if len(group) == 1 else [rng.choice(group) for _ in group]
+    return drawn
+
+
+def _percentiles(values: list[float], level: float) -> tuple[float, float]:
+    """The percentile interval at `level` of bootstrap values."""
+    values = sorted(values)
+    return values[int((1 - level) / 2 * len(values))], values[min(len(values) - 1, int((1 + level) / 2 * len(values)))]
 
 
 def paired_difference_interval(pairs: Sequence[tuple[str, float, float]], draws: int = 1000, seed: int = 0,
@@ -146,14 +161,48 @@ def paired_difference_interval(pairs: Sequence[tuple[str, float, float]], draws:
         groups.setdefault(prompt, []).append(a - b)
     units = list(groups.values())
     rng = random.Random(seed)
+    return _percentiles([sum(drawn) / len(drawn) for drawn in (_two_levels(units, rng) for _ in range(draws))], level)
+
+
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ys against xs (0 when the xs do not vary)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / spread if spread else 0.0
+
+
+def slope_interval(xs: Sequence[float], ys: Sequence[float], draws: int = 1000, seed: int = 0,
+                   level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of slope(xs, ys), the (x, y) points resampled with replacement (e.g. a
+    trainer's logged accuracy by step)."""
+    rng = random.Random(seed)
+    points = list(zip(xs, ys))
     values = []
     for _ in range(draws):
-        drawn: list[float] = []
-        for group in (rng.choice(units) for _ in units):
-            drawn += group if len(group) == 1 else [rng.choice(group) for _ in group]
-        values.append(sum(drawn) / len(drawn))
-    values.sort()
-    return values[int((1 - level) / 2 * draws)], values[min(draws - 1, int((1 + level) / 2 * draws))]
+        drawn = [rng.choice(points) for _ in points]
+        values.append(slope([x for x, _ in drawn], [y for _, y in drawn]))
+    return _percentiles(values, level)
+
+
+def paired_slope_interval(steps: Sequence[int], taus: Sequence[dict[str, tuple[str, float]]], draws: int = 1000,
+                          seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap interval of the slope of tau against the training step over several checkpoints
+    scored on the same references: taus[i] = {reference id: (the prompt it samples, tau)} of the checkpoint
+    at steps[i]. The references all of them scored are resampled together (prompts, then samples within a
+    prompt, as bootstrap_interval) and each checkpoint's mean tau refitted: what the references share cancels."""
+    shared = sorted(set.intersection(*(set(t) for t in taus)))
+    if not shared:
+        raise ValueError("the checkpoints share no scored reference")
+    groups: dict[str, list[str]] = {}
+    for ref in shared:
+        groups.setdefault(taus[0][ref][0], []).append(ref)
+    units = list(groups.values())
+    rng = random.Random(seed)
+    values = []
+    for _ in range(draws):
+        drawn = _two_levels(units, rng)
+        values.append(slope(steps, [sum(t[ref][1] for ref in drawn) / len(drawn) for t in taus]))
+    return _percentiles(values, level)
 
 
 def projected_speedup(tau: float, cost_ratio: float) -> float:

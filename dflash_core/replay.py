@@ -69,12 +69,15 @@ class ReplayResult:
     step accepted every draft it could compare).
     all_positions: acceptance length at every start position prompt_len .. len(R)-2 (all-positions
     mode), or None when it was not computed.
+    position_hits: all-positions mode, per draft position k = 1..B-1: (blocks whose position k matched the
+    reference whatever came before it, blocks the reference reaches position k in): teacher-forced accuracy.
     """
 
     starts: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     rejected_drafts: list[int] = field(default_factory=list)
     all_positions: list[int] | None = None
+    position_hits: list[tuple[int, int]] | None = None
 
 
 class BlockScorer:
@@ -154,11 +157,35 @@ class BlockScorer:
     @torch.no_grad()
     def score(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
         """Acceptance length and rejected draft token for each (reference index, start) block."""
-        N, B = len(blocks), self.B
         truth = self._truth(blocks)
         # how many tokens R has after each start
         available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=truth.device)
         hidden = self._hidden(blocks, truth)
+        return self._accept(hidden, truth, available)
+
+    @torch.no_grad()
+    def score_every_position(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], list[list[int]]]:
+        """score(), and for each block whether each draft position 1..B-1 matches the reference whatever the
+        positions before it did (teacher-forced, as training measures accuracy): 1, 0, or -1 where the
+        reference ends before it. Every position needs the head here, not only those still matching."""
+        truth = self._truth(blocks)
+        available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=truth.device)
+        hidden = self._hidden(blocks, truth)
+        drafts = (hidden[:, 1:] @ self.head.T).argmax(-1)  # [N, B-1]
+        hits = (drafts == truth[:, 1:]).long()
+        hits[truth[:, 1:] < 0] = -1
+        # the same acceptance as _accept: the leading matches, and the draft at the first compared mismatch
+        accepted = (hits == 1).long().cumprod(1).sum(1)  # [N]
+        steps = torch.minimum(accepted + 1, available)
+        first = accepted.clamp(max=self.B - 2).unsqueeze(1)
+        compared = (accepted < self.B - 1) & (hits.gather(1, first).squeeze(1) == 0)
+        rejected = torch.where(compared, drafts.gather(1, first).squeeze(1), torch.full_like(accepted, -1))
+        return steps.tolist(), rejected.tolist(), hits.tolist()
+
+    def _accept(self, hidden: torch.Tensor, truth: torch.Tensor,
+                available: torch.Tensor) -> tuple[list[int], list[int]]:
+        """Acceptance length and rejected draft of each block from the drafter's hidden states [N, B, H]."""
+        N, B = hidden.shape[0], self.B
 
         accepted = torch.zeros(N, dtype=torch.long, device=truth.device)
         rejected = torch.full((N,), -1, dtype=torch.long, device=truth.device)
@@ -206,8 +233,9 @@ def replay(
 
     features[i]: [K, T_i, H] target features of reference i (K layers in drafter.target_layer_ids order);
     any iterable, consumed once, in order: a generator that reads them one by one holds one at a time.
-    all_positions: also score a block at every start position; the decode steps then follow from it
-    at no extra cost. block_size: draft blocks of b <= the drafter's block size, as a server verifying b
+    all_positions: also score a block at every start position, and the teacher-forced accuracy of each
+    draft position over them (the head at every position: the costliest mode); the decode steps then follow
+    from it at no extra cost. block_size: draft blocks of b <= the drafter's block size, as a server verifying b
     tokens per step runs it (the drafter sees b positions; default its own block size). Batches hold at most max_blocks blocks and max_context_tokens padded context
     positions (memory). progress(n) is called with the number of blocks scored so far.
     """
@@ -215,9 +243,9 @@ def replay(
     results = [ReplayResult() for _ in references]
     done = 0
 
-    def run(blocks):
+    def run(blocks: list[tuple[int, int]], every_position: bool = False) -> tuple[list, list, list]:
         nonlocal done
-        out = ([], [])
+        out: tuple[list, list, list] = ([], [], [])
         i = 0
         while i < len(blocks):
             # as many blocks as the budget allows for the longest context in the batch
@@ -225,7 +253,11 @@ def replay(
             while (i + n < len(blocks) and n < max_blocks
                    and (n + 1) * max(p for _, p in blocks[i:i + n + 1]) <= max_context_tokens):
                 n += 1
-            steps, rejected = scorer.score(blocks[i:i + n])
+            if every_position:
+                steps, rejected, hits = scorer.score_every_position(blocks[i:i + n])
+                out[2].extend(hits)
+            else:
+                steps, rejected = scorer.score(blocks[i:i + n])
             out[0].extend(steps)
             out[1].extend(rejected)
             i += n
@@ -236,8 +268,16 @@ def replay(
 
     if all_positions:
         blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, ref.end - 1)]
-        steps, rejected = run(blocks)
+        steps, rejected, hits = run(blocks, every_position=True)
         by_block = {b: (a, r) for b, a, r in zip(blocks, steps, rejected)}
+        for res in results:
+            res.position_hits = [(0, 0)] * (scorer.B - 1)
+        for (s, _), block_hits in zip(blocks, hits):
+            counts = results[s].position_hits
+            assert counts is not None
+            for k, hit in enumerate(block_hits):
+                if hit >= 0:
+                    counts[k] = (counts[k][0] + hit, counts[k][1] + 1)
         for s, ref in enumerate(references):
             res = results[s]
             res.all_positions = [by_block[(s, p)][0] for p in range(ref.prompt_len, ref.end - 1)]
@@ -254,7 +294,7 @@ def replay(
     frontier = {s: ref.prompt_len for s, ref in enumerate(references) if ref.prompt_len + 1 < ref.end}
     while frontier:
         blocks = sorted(frontier.items(), key=lambda b: b[1])  # similar context lengths batch together
-        steps, rejected = run(blocks)
+        steps, rejected, _ = run(blocks)
         for (s, p), a, r in zip(blocks, steps, rejected):
             res = results[s]
             res.starts.append(p)

@@ -5,10 +5,12 @@ history per series across flow runs:
 
   <series>-scores    table: this checkpoint's metrics
   <series>-history   table: every scored checkpoint of the series by step, with intervals, the best
-                     one, baselines and regressions (flows.history)
+                     one, baselines and regressions (flows.history); with a training log, what the
+                     trainer's numbers imply and the train/eval alarm's flags (flows.training_side)
   <series>-summary   markdown: this checkpoint against the previous step, the best one and the
-                     baselines, with the regression flag, the tau-over-steps plot where the report is
-                     served, and the commands that rerun a stage of this checkpoint
+                     baselines, with the regression flag, the training run beside it (its logged
+                     numbers, the flags, the TensorBoard run), the tau-over-steps plot where the report
+                     is served, and the commands that rerun a stage of this checkpoint
   <series>-report    link: the store's report (flows.report), rewritten by this run: its HTTP address
                      when one serves it ($DFLASH_REPORT_URL, set by `dflash-eval serve`), else the file
 
@@ -27,32 +29,39 @@ from dflash_eval.tasks.progress import series_key
 
 from .history import Group, find_group, history, paired_interval
 from .report_server import report_url
+from .training_side import TrainingSide
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
 RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
 
 
-def publish(results: dict, store: Store, report_dir: Path, step_costs: dict[int, float] | None = None) -> dict[str, str]:
+def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] | None = None,
+            sides: dict[int, TrainingSide] | None = None, step_costs: dict[int, float] | None = None) -> dict[str, str]:
     """Rewrite the report (step_costs: --step-cost, for its projected speedups) and publish the scores, summary
-    and report-link artifacts; returns their keys."""
+    and report-link artifacts; returns their keys. groups: history(store), when the caller has it; sides:
+    {group index: the evaluated checkpoint's training run beside it} (flows.tracker.track)."""
     logger = get_run_logger()
     series = series_key(results["target"], results["prompts"])
     keys = {name: f"{series}-{name}" for name in ("scores", "history", "summary", "report")}
     create_table_artifact(key=keys["scores"], table=score_table(results),
                           description=f"Scores of {results['drafter']['source']}")
-    groups = history(store)
+    groups = history(store) if groups is None else groups
     found = find_group(groups, results["keys"]["scores"])
     if found is not None:
         group = found[0]
         described = f"tau by training step: {group.title}; this run {results['tau_macro']:.3f}"
         if group.best:
             described += f", best {group.best.label} {group.best.tau_macro:.3f}"
-        create_table_artifact(key=keys["history"], table=history_table(group), description=described)
+        side = (sides or {}).get(groups.index(group))
+        create_table_artifact(key=keys["history"], table=history_table(group, side), description=described)
     report = plot = None
     try:
         from .report import tau_plot_path, write_report  # matplotlib: imported only when a run has scores to show
 
-        report = write_report(store, report_dir, groups=groups, step_costs=step_costs)  # the store's scores, read once
+        training_logs = {results["training"]["run"]: results["training"]["log"]} if results.get("training", {}).get("log") \
+            else {}
+        report = write_report(store, report_dir, groups=groups, step_costs=step_costs,  # the store's scores, read once
+                              training_logs=training_logs)
         if found is not None and any(r.step is not None for r in found[0].rows):
             plot = tau_plot_path(groups.index(found[0]) + 1)
     except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them
@@ -71,14 +80,21 @@ def publish(results: dict, store: Store, report_dir: Path, step_costs: dict[int,
     return keys
 
 
-def history_table(group: Group) -> list[dict]:
-    """One row per scored checkpoint of a series, in history order (by step), then its baselines."""
+def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
+    """One row per scored checkpoint of a series, in history order (by step), then its baselines; with its
+    training run's side, what the trainer logged at each step and the alarm's flags."""
     rows = []
+    mine = {id(r) for r in side.rows} if side else set()
     for row in group.rows:
         ci = row.tau_macro_ci95
-        rows.append({"checkpoint": row.label, "step": "-" if row.step is None else str(row.step),
-                     "tau macro": f"{row.tau_macro:.3f}", "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
-                     "tau pooled": f"{row.tau_pooled:.3f}", "verdict": row.mark})
+        table = {"checkpoint": row.label, "step": "-" if row.step is None else str(row.step),
+                 "tau macro": f"{row.tau_macro:.3f}", "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
+                 "tau pooled": f"{row.tau_pooled:.3f}", "verdict": row.mark}
+        if side is not None:
+            implied = side.implied(row) if id(row) in mine else None
+            table["trainer implies"] = f"{implied[0]:.2f}" if implied else "-"
+            table["flags"] = ", ".join(f.kind for f in side.flags_at(row.step)) if id(row) in mine else ""
+        rows.append(table)
     return rows
 
 
@@ -169,6 +185,7 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
         else:
             lines.append("No regression: not worse than the best earlier step on the same references (the paired "
                          "95% interval of the difference reaches 0 or above).")
+    lines += training_markdown(results.get("training"))
     ran = [s for s, status in results["stages"].items() if status == "ran"]
     lines += ["", f"Stages that ran: {', '.join(ran) or 'none (all cached)'}."]
     if served:
@@ -180,3 +197,30 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     lines += ["", "Rerun one stage of this checkpoint (`dflash-eval serve` running):", "", "```",
               *rerun_commands(results), "```"]
     return "\n".join(lines)
+
+
+def training_markdown(training: dict | None) -> list[str]:
+    """The summary's lines on the training run (results["training"], flows.tracker.track): what the trainer
+    logged at this step beside tau, the alarm's flags, where the TensorBoard run is, what could not be read."""
+    if not training or not (training["log"] or training["tensorboard"] or training["problems"]):
+        return []
+    lines = ["", "### Training beside evaluation", ""]
+    if training["log"]:
+        lines.append(f"Training log: `{training['log']}`.")
+    if point := training.get("at_step"):
+        logged = [(name, point[key]) for name, key in (
+            ("training accuracy", "accuracy"), ("eval accuracy", "eval_accuracy"), ("loss", "loss"),
+            (point["trainer_acceptance_metric"] or "", "trainer_acceptance")) if point[key] is not None]
+        if logged:
+            lines.append("At this step the trainer logged " + ", ".join(f"{n} {v:.3f}" for n, v in logged) + ".")
+        if point["implied"] is not None:
+            lines.append(f"They imply an acceptance length of {point['implied']:.2f} (from {point['implied_from']}).")
+    for flag in training["flags"]:
+        lines += ["", f"**{flag['kind'].upper()}** (step {flag['step']}): {flag['message']}"]
+    if training["log"] and not training["flags"]:
+        lines += ["", "No alarm: training and evaluation agree as far as the log shows."]
+    if training["tensorboard"]:
+        lines += ["", f"TensorBoard run: `{training['tensorboard']}` (`tensorboard --logdir "
+                  f"{Path(training['tensorboard']).parent}`)."]
+    lines += [f"- {problem}" for problem in training["problems"]]
+    return lines

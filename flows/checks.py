@@ -93,6 +93,9 @@ class EvaluationInputs:
     references: str | None  # a completions file stored as the references instead of generating them
     block_size: int | None  # verified tokens per step; None: the drafter's block size
     block_sizes: tuple[int, ...]  # --block-sizes: also drafted and scored at each of these (a sweep)
+    training_log: str | None  # the training run's log folder (flows.training_side); None: found from the source
+    tensorboard: str | None  # the TensorBoard run to write (flows.tracker); None: the training run's default
+    divergence_window: int  # saves the diverging alarm fits over
     checked: CheckedInputs
 
     def runs(self, stage: str) -> bool:
@@ -354,11 +357,17 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
     p = dict(parameters)
     # a deployment's templated parameters arrive as "" when their variable is unset
     p["reference"] = p["reference"] or "local"
-    for name in ("drafter_config", "reference_api_key_file", "dask_address", "references", "step_cost"):
+    for name in ("drafter_config", "reference_api_key_file", "dask_address", "references", "step_cost",
+                 "training_log", "tensorboard"):
         p[name] = p[name] or None
     replay_group = p["replay_group"]
     if isinstance(replay_group, bool) or not isinstance(replay_group, int) or replay_group < 1:
         raise InputError(f"replay_group must be a whole number of at least 1, got {replay_group!r}")
+    window = p["divergence_window"]
+    if isinstance(window, bool) or not isinstance(window, int) or window < 3:
+        raise InputError(f"--divergence-window must be a whole number of at least 3 saves, got {window!r}")
+    if p["tensorboard"] and (problem := writable_problem(Path(p["tensorboard"]), folder=True)):
+        raise InputError(f"--tensorboard: {problem}")
     check_dask_address(p["dask_address"])
     checked = check_inputs(**{name: p[name] for name in CHECKED_PARAMETERS})
     try:
@@ -379,7 +388,7 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
         # a step cost alone projects the speedup at the one block size evaluated
         block_sizes=tuple(sorted(set(p["block_sizes"] or ())))
         or ((p["block_size"] or checked.drafter.block_size,) if p["step_cost"] else ()),
-        checked=checked)
+        training_log=p["training_log"], tensorboard=p["tensorboard"], divergence_window=window, checked=checked)
 
 
 def check_dask_address(address: str | None) -> int | None:

@@ -14,6 +14,10 @@ With `baseline` (e.g. the published drafter for the same target) that drafter is
 After scoring the flow rewrites the store's report and publishes Prefect artifacts under keys
 stable per target and prompt set (flows/artifacts.py).
 
+A checkpoint from a training run whose log is found (its run folder, or `training_log`) is set beside
+what the trainer logged, with the train/eval alarm's flags, and its tau written into the run's
+TensorBoard (flows/training_side.py, flows/tracker.py); a missing or damaged log is a warning only.
+
 With `dask_address` the features and drafts stages compute on the workers of that Dask cluster, shard by
 shard (tasks/cluster.py); the scheduler is asked before any stage runs, and the results say which worker
 computed each shard.
@@ -31,7 +35,10 @@ from dflash_core.choices import DEFAULT_REPLAY_GROUP, SLIDING_SEMANTICS
 from dflash_eval.flows.artifacts import publish
 from dflash_eval.flows.checks import EvaluationInputs, InputError, check_evaluation
 from dflash_eval.flows.choices import STAGES, DeviceName, StageName
+from dflash_eval.flows.history import find_group, history
 from dflash_eval.flows.results import StageRuns, evaluation_results, outcome
+from dflash_eval.flows.tracker import track
+from dflash_eval.flows.training_side import DEFAULT_WINDOW
 from dflash_eval.storage import Store
 from dflash_eval.tasks.baselines import mark_baseline
 from dflash_eval.tasks.diagnostics import diagnose, layers_needed
@@ -106,8 +113,16 @@ def evaluate(inputs: EvaluationInputs):
     if not inputs.runs("scores"):
         return results
     opened = Store(store)
+    groups = history(opened)
+    found_row = find_group(groups, results["keys"]["scores"])
+    sides = {}
+    if found_row is not None and found_row[1].step is not None:
+        results["training"], sides = track(groups, found_row[1].source, inputs.training_log, inputs.tensorboard,
+                                           inputs.divergence_window)
+        for problem in results["training"]["problems"]:
+            get_run_logger().warning(problem)
     publish(results, opened, Path(inputs.report_dir) if inputs.report_dir else opened.root / "report",
-            step_costs=inputs.checked.step_costs)
+            groups=groups, sides=sides, step_costs=inputs.checked.step_costs)
     _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
     found = outcome(results)
     get_run_logger().info(found)
@@ -178,6 +193,9 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
         references: str | None = None,
         block_sizes: list[int] | None = None,
         step_cost: str | None = None,
+        training_log: str | None = None,
+        tensorboard: str | None = None,
+        divergence_window: int = DEFAULT_WINDOW,
     ) -> dict:
         """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
@@ -240,6 +258,12 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
                 features): tau(b), tau(b)/b and, with `step_cost`, the projected speedup per b.
             step_cost: A JSON file {"<b>": cost of one speculative step verifying b tokens relative to one plain
                 decode step}, measured on the serving box: the projected speedup tau(b) / cost(b).
+            training_log: The training run's folder on this machine, for checkpoints from a relay (a local
+                checkpoint's run folder is found by itself): the trainer's logged numbers beside tau, and the
+                alarm when training and evaluation disagree (flows/training_side.py).
+            tensorboard: The TensorBoard run tau by training step is written into (default
+                <training run>/runs/dflash-eval when that folder is on this machine and writable).
+            divergence_window: Saves the diverging alarm fits its slopes over (at least 3).
         """
         return evaluate(checked or check_evaluation(locals()))
 

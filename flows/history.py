@@ -59,6 +59,8 @@ class HistoryRow:
     baseline: bool
     # per reference scored: (id, the prompt it samples, tau); empty for scores without per-reference taus
     per_reference: tuple[tuple[str, str, float], ...] = ()
+    # all-positions mode: each draft position's accuracy whatever came before it (as training measures it)
+    teacher_forced_accuracy: tuple[float | None, ...] | None = None
     best: bool = False  # the best candidate of its group
     regression: bool = False  # worse than the best earlier step's (the module docstring)
 
@@ -132,6 +134,8 @@ def history(store: Store) -> list[Group]:
             baseline=store.is_complete(Stage.BASELINES, drafts.checkpoint),
             per_reference=tuple((p["id"], p.get("prompt") or p["id"], p["tau"]) for p in scores.get("per_prompt", ())
                                 if p.get("tau") is not None),
+            teacher_forced_accuracy=tuple(scores["teacher_forced_accuracy"]) if "teacher_forced_accuracy" in scores
+            else None,
         )
         same = next((r for r in rows if r.checkpoint == row.checkpoint), None)
         if same is not None:  # scored in decode and in all-positions mode: the same decode path, keep the richer

@@ -40,6 +40,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dflash_eval.flows.history import Group, HistoryRow, history
+from dflash_eval.flows.training_side import TrainingSide, training_sides
 from dflash_eval.storage import EntryMissing, Store, read_json
 from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import DIAGNOSTICS_FILE, DiagnosticsRecord, DraftsRecord, Stage
@@ -117,6 +118,7 @@ class GroupSection:
     shown: list[HistoryRow]  # the newest `last` candidates and the baselines: the curves and the category table
     categories: list[CategoryTau]
     diagnostics: list[DiagnosticsSection]
+    training: list[TrainingSide]  # each training run of the group's checkpoints with a log, beside it
 
     @property
     def title(self) -> str:
@@ -179,19 +181,22 @@ class Report:
 
 
 def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group] | None = None,
-                 step_costs: dict[int, float] | None = None) -> Path:
+                 step_costs: dict[int, float] | None = None, training_logs: dict[str, str] | None = None) -> Path:
     """Write `out_dir/report.html` (self-contained), `out_dir/report.md` and its plots `out_dir/img/*.png`;
     return the HTML path. `last`: how many of the newest checkpoints of each group the acceptance curves,
     histograms and category table show (with the baselines). groups: history(store), when the caller
     has it already. step_costs: {b: cost of a speculative step verifying b tokens / a plain decode step}
     (--step-cost), for the projected speedup per block size; they describe the serving box, not a
-    checkpoint, so the store does not keep them. Raises NothingToReport on a store without scores."""
+    checkpoint, so the store does not keep them. training_logs: {training run: its log folder} for runs whose
+    folder is not on this machine (flows.training_side finds local ones). Raises NothingToReport on a store
+    without scores."""
     groups = history(store) if groups is None else groups
     if not groups:
         raise NothingToReport(f"no scored checkpoint in {store.location}: nothing to report")
     diagnostics = _diagnostics_by_checkpoint(store)
     report = Report(store=store.location, written=datetime.now(UTC),
-                    groups=[_group_section(group, f"group{index}", max(1, last), diagnostics)
+                    groups=[_group_section(group, f"group{index}", max(1, last), diagnostics,
+                                           training_sides(group, training_logs))
                             for index, group in enumerate(groups, start=1)],
                     side_by_side=side_by_side(groups), block_sweeps=block_sweeps(groups, step_costs or {}))
 
@@ -283,7 +288,8 @@ def tau_plot_path(group_number: int) -> str:
     return f"img/group{group_number}{TAU_PLOT}.png"
 
 
-def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple[str, str, str], dict]) -> GroupSection:
+def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple[str, str, str], dict],
+                   training: list[TrainingSide]) -> GroupSection:
     scores = {row.scores: read_json(row.scores_path) for row in group.rows}
     # newest = last in history order, the order the table, the curves and the artifacts use
     newest = group.candidates[-1] if group.candidates else None
@@ -310,6 +316,7 @@ def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple
         shown=shown,
         categories=_categories(shown, scores),
         diagnostics=sections,
+        training=training,
     )
 
 

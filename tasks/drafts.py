@@ -66,7 +66,8 @@ def replay_groups(n: int, group_size: int = PROMPTS_PER_GROUP) -> list[tuple[int
 def per_prompt_items(items, results) -> list[dict]:
     """drafts.json's `per_prompt` items of these references (ReferenceItem) and their ReplayResults."""
     return [{"id": i.id, "starts": r.starts, "acceptance_lengths": r.acceptance_lengths,
-             "rejected_drafts": r.rejected_drafts, "all_positions": r.all_positions}
+             "rejected_drafts": r.rejected_drafts, "all_positions": r.all_positions,
+             **({"position_hits": r.position_hits} if r.position_hits is not None else {})}
             for i, r in zip(items, results)]
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from dflash_core.metrics import PromptScore, all_positions_tau, summarize
+from dflash_core.metrics import PromptScore, all_positions_tau, summarize, teacher_forced_accuracy
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, upstream_digests
 from dflash_eval.storage.schema import DRAFTS_FILE, SCORES_FILE, ScoresRecord, Stage
@@ -47,6 +47,8 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         summary = summarize(prompts, drafts.block_size, lookahead=refs.lookahead > 0)
         if all(d.get("all_positions") is not None for d in per_prompt):
             summary["all_positions_tau"] = all_positions_tau([d["all_positions"] for d in per_prompt])
+        if all(d.get("position_hits") is not None for d in per_prompt):  # all-positions drafts since they kept it
+            summary["teacher_forced_accuracy"] = teacher_forced_accuracy([d["position_hits"] for d in per_prompt])
         summary["sliding_semantics"] = drafts.sliding_semantics
         summary["sampling_label"] = refs.sampling  # "greedy", the settings, or "given completions"
         # references a server gave only as text whose re-tokenisation did not round-trip

@@ -14,7 +14,7 @@ from transformers import AutoModel, Qwen3ForCausalLM
 
 from dflash_core.decoding import greedy_decode, speculative_decode
 from dflash_core.features import extract_features
-from dflash_core.replay import Reference, replay
+from dflash_core.replay import BlockScorer, Reference, replay
 from dflash_core.target import Target, load_target
 from tests.drafters import drafter_config, random_drafter
 from tests.tiny_models import qwen3_config
@@ -81,6 +81,32 @@ def test_all_positions_mode_agrees_with_decode_mode(qwen3_target):
         assert [full.all_positions[s - len(p)] for s in full.starts] == full.acceptance_lengths
         assert dec.acceptance_lengths == full.acceptance_lengths
         assert dec.rejected_drafts == full.rejected_drafts
+
+
+def test_all_positions_mode_counts_teacher_forced_hits_per_position(qwen3_target):
+    """Each draft position's accuracy whatever came before it (as training measures it): counted from the
+    drafter's whole block at every start, which a test recomputes with BlockScorer.draft_tokens."""
+    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 3), mask_token_id=0)
+    drafter = random_drafter(raw, seed=12, scale=3.0)
+    ps = prompts(seed=1)
+    refs = [Reference(len(p), greedy_decode(qwen3_target, p, 40, stop_token_ids=[STOP])) for p in ps]
+    feats = extract_features(qwen3_target, [r.token_ids for r in refs], drafter.target_layer_ids)
+    args = (drafter, qwen3_target.embed_weight, qwen3_target.head_weight, refs, feats)
+    replayed = replay(*args, all_positions=True)
+    scorer = BlockScorer(*args)
+    expected = [[0, 0] for _ in range(drafter.block_size - 1)]
+    for s, ref in enumerate(refs):
+        starts = range(ref.prompt_len, ref.end - 1)
+        for p, drafts in zip(starts, scorer.draft_tokens([(s, p) for p in starts])):
+            for k, d in enumerate(drafts, start=1):
+                if p + k < ref.end:
+                    expected[k - 1][0] += d == ref.token_ids[p + k]
+                    expected[k - 1][1] += 1
+    counted = [[sum(r.position_hits[k][i] for r in replayed) for i in (0, 1)] for k in range(drafter.block_size - 1)]
+    assert counted == expected
+    # position 3 also matches in blocks that missed before it: more hits than blocks accepting 1..3
+    accepting_three = sum(a >= 4 for r in replayed for a in r.all_positions)
+    assert counted[2][0] > accepting_three, "no position 3 hit after a miss: teacher forcing not exercised"
 
 
 def test_replay_batches_equal_one_at_a_time(qwen3_target):

@@ -71,6 +71,17 @@ BlockSizes = Annotated[str | None, typer.Option(
 StepCost = Annotated[str | None, typer.Option(
     "--step-cost", help='A JSON file {"<b>": cost of one speculative step verifying b tokens relative to one plain '
     'decode step}, measured on the serving box: the projected speedup per block size (labelled as projected).')]
+TrainingLogOption = Annotated[str | None, typer.Option(
+    "--training-log", metavar="DIR", help="The training run's folder (or its runs/ folder), for a checkpoint whose "
+    "run folder is not on this machine (a relay): what the trainer logged (TensorBoard, SpecForge's "
+    "best_meta.json, transformers' trainer_state.json) beside tau, and the train/eval gap alarm. A local "
+    "checkpoint's run folder is found by itself.")]
+TensorboardOption = Annotated[str | None, typer.Option(
+    "--tensorboard", metavar="DIR", help="Write tau by training step into this TensorBoard run (default "
+    "<training run>/runs/dflash-eval when the run folder is on this machine and writable).")]
+DivergenceWindow = Annotated[int, typer.Option(
+    "--divergence-window", min=3, help="Saves the diverging alarm fits its slopes over (training accuracy rising "
+    "while tau does not).")]
 ReferencesFile = Annotated[str | None, typer.Option(
     "--references", help="Completions you already have (a JSONL file: id, input_ids and completion_ids, or a "
     "text/messages prompt and a completion text), e.g. a server's logged outputs: stored as the references instead "
@@ -178,6 +189,9 @@ class Settings(OptionGroup):
     block_size: BlockSize = None
     block_sizes: BlockSizes = None
     step_cost: StepCost = None
+    training_log: TrainingLogOption = None
+    tensorboard: TensorboardOption = None
+    divergence_window: DivergenceWindow = 4
 
     def parameters(self) -> dict:
         """These as flow parameters: choices by name, files as absolute paths (flow runs may start elsewhere)."""
@@ -190,7 +204,10 @@ class Settings(OptionGroup):
                 "dask_address": self.dask_address or None, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "min_p": self.min_p, "samples": self.samples, "seed": self.seed,
                 "block_size": self.block_size, "block_sizes": block_size_list(self.block_sizes),
-                "step_cost": absolute(self.step_cost) if self.step_cost else None}
+                "step_cost": absolute(self.step_cost) if self.step_cost else None,
+                "training_log": absolute(self.training_log) if self.training_log else None,
+                "tensorboard": absolute(self.tensorboard) if self.tensorboard else None,
+                "divergence_window": self.divergence_window}
 
 
 @dataclass(frozen=True)

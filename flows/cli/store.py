@@ -14,15 +14,23 @@ from .options import StepCost, StoreRoot, example
 app = typer.Typer()
 
 
+TrainingLogForRelay = Annotated[str | None, typer.Option(
+    "--training-log", metavar="DIR", help="The training log of checkpoints fetched from a relay (their run folder "
+    "is not on this machine); local checkpoints' run folders are found by themselves.")]
+
+
 @app.command("history", epilog=example("dflash-eval history --store .dflash-store"))
-def history_command(store: StoreRoot = None):
+def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay = None):
     """Tau of every scored checkpoint in the store, by training step (checkpoints without one by when they
     were first scored, never by path), with the best one and regressions (a 95% interval entirely below the
-    best earlier step's; a checkpoint without a step is never flagged: its place among the steps is unknown)."""
+    best earlier step's; a checkpoint without a step is never flagged: its place among the steps is unknown).
+    Where the training run's log is found, what the trainer's numbers imply beside tau, and the alarm's flags
+    (the trainer's best is not the best by tau, training accuracy rising while tau does not, a train/eval gap)."""
     from rich.console import Console
     from rich.table import Table
 
     from dflash_eval.flows.history import history
+    from dflash_eval.flows.training_side import training_sides
 
     groups = history(open_store(store))
     if not groups:
@@ -30,16 +38,38 @@ def history_command(store: StoreRoot = None):
         return
     console = Console(width=160)
     for group in groups:
+        sides = training_sides(group, relay_logs(group, training_log))
         table = Table(title=group.title)
-        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", "first scored (UTC)", ""):
+        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", "first scored (UTC)", "",
+                       *(("trainer implies", "flags") if sides else ())):
             table.add_column(column)
         for row in group.rows:
             ci = row.tau_macro_ci95
             step = "-" if row.step is None else str(row.step)
             scored = f"{row.scored_at:%Y-%m-%d %H:%M:%S}" if row.scored_at else "-"
-            table.add_row("baseline" if row.baseline else step, row.label, f"{row.tau_macro:.3f}",
-                          f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row.tau_pooled:.3f}", scored, row.mark)
+            cells = ["baseline" if row.baseline else step, row.label, f"{row.tau_macro:.3f}",
+                     f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row.tau_pooled:.3f}", scored, row.mark]
+            if sides:
+                side = next((s for s in sides if any(r is row for r in s.rows)), None)
+                implied = side.implied(row) if side else None
+                cells += [f"{implied[0]:.2f}" if implied else "-",
+                          ", ".join(f.kind for f in side.flags_at(row.step)) if side else ""]
+            table.add_row(*cells)
         console.print(table)
+        for side in sides:
+            for flag in side.flags:
+                console.print(f"{flag.kind.upper()} (step {flag.step}): {flag.message}", markup=False)
+            for problem in side.log.problems:
+                console.print(f"warning: {problem}", markup=False)
+
+
+def relay_logs(group, training_log: str | None) -> dict[str, str]:
+    """--training-log for the group's training runs that are not folders on this machine (relay URLs)."""
+    from dflash_eval.flows.training_side import training_run_of
+
+    if not training_log:
+        return {}
+    return {run: training_log for run in {training_run_of(r.source) for r in group.candidates} if "://" in run}
 
 
 @app.command("report", epilog=example("dflash-eval report --store .dflash-store --out report/"))
@@ -56,6 +86,7 @@ def report_command(
     port: Annotated[int, typer.Option("--port", min=0, help="With --serve: port to listen on (0: any free "
                                       "one).")] = DEFAULT_PORT,
     step_cost: StepCost = None,
+    training_log: TrainingLogForRelay = None,
 ):
     """Write a report of every scored checkpoint in the store: tau by training step, acceptance by draft
     position, acceptance-length histograms, tau per category, diagnostics. report.html is self-contained
@@ -65,6 +96,7 @@ def report_command(
     `dflash-eval report --serve --host 0.0.0.0 --port 8765`.
     """
     from dflash_eval.flows.checks import InputError, read_step_costs
+    from dflash_eval.flows.history import history
     from dflash_eval.flows.report import NothingToReport, write_report
 
     try:
@@ -77,7 +109,10 @@ def report_command(
     out = open_store(store).root / "report" if out is None else out
     server = bind_report_server(out, host, port, "--port") if serve else None  # a taken port fails before any work
     try:
-        html_path = write_report(open_store(store), out, last=last, step_costs=step_costs)
+        opened = open_store(store)
+        groups = history(opened)
+        logs = {run: folder for group in groups for run, folder in relay_logs(group, training_log).items()}
+        html_path = write_report(opened, out, last=last, groups=groups, step_costs=step_costs, training_logs=logs)
     except NothingToReport as e:
         if server is not None:
             server.stop()

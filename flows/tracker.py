@@ -1,0 +1,146 @@
+"""Tau in the team's tracker: a TensorBoard run of our own beside the trainer's.
+
+The run (--tensorboard DIR; by default `<training run>/runs/dflash-eval`, so that `tensorboard --logdir
+<training run>/runs` shows it beside SpecForge's) is a projection of the store: each write rewrites it
+whole from flows.history, so re-evaluating a step replaces its points instead of adding a second one, and
+a run killed mid-write leaves the previous projection (the new event file is complete before it is put in
+place, the old ones are removed after). Our event files end in TRACKER_SUFFIX, so the trainer's log reader
+(dflash_core.training_log) never takes them for the trainer's.
+
+Scalars, at each checkpoint's training step, under PREFIX (greedy at the drafter's block size) or
+PREFIX/<setting> (a sampled setting, a chosen block size: "T=0.6 x8", "greedy, blocks of 4"):
+tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high, all_positions_tau (when scored),
+acceptance_at_position/<k> (P(position k accepted | earlier ones accepted)), teacher_forced_accuracy/<k>
+(scored with --all-positions), and, where the trainer's log implies one, trainer_implied_acceptance. The gap alarm's flags are text, PREFIX/flags.
+"""
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from dflash_core.training_log import TRACKER_SUFFIX, read_training_log
+from dflash_eval.storage import read_json
+
+from .history import Group
+from .training_side import TrainingSide, holds_training_log, training_run_of, training_sides
+
+PREFIX = "dflash_eval"
+
+
+def default_tracker_folder(run: str) -> Path | None:
+    """<run>/runs/dflash-eval for a local training run folder (one holding a trainer's log) we may write into;
+    None otherwise: a folder of checkpoints without a log is not a training run to add a TensorBoard run to."""
+    if "://" in run or not holds_training_log(Path(run)):
+        return None
+    runs = Path(run) / "runs"
+    writable = os.access(runs if runs.is_dir() else Path(run), os.W_OK)
+    return runs / "dflash-eval" if writable else None
+
+
+def series_prefixes(groups: list[Group]) -> dict[int, str]:
+    """Group index -> its tag prefix: PREFIX for greedy at the drafter's block, PREFIX/<setting> otherwise;
+    groups that would share a prefix (other prompts, another target) add their title."""
+    prefixes = {i: PREFIX if g.setting == "greedy" else f"{PREFIX}/{_tag(g.setting)}" for i, g in enumerate(groups)}
+    for i, g in enumerate(groups):
+        if list(prefixes.values()).count(prefixes[i]) > 1:
+            prefixes[i] = f"{prefixes[i]}/{_tag(g.title)}"
+    return prefixes
+
+
+def write_tensorboard(folder: Path, groups: list[Group], run: str, sides: dict[int, TrainingSide]) -> list[str]:
+    """Rewrite the TensorBoard run in `folder` with every stepped checkpoint of training run `run` (as
+    flows.training_side.training_run_of names it) in `groups`; sides: {group index: its TrainingSide}
+    for the trainer's implied acceptance and the flags. Returns the scalar tags written."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    folder.mkdir(parents=True, exist_ok=True)
+    prefixes = series_prefixes(groups)
+    tags: set[str] = set()
+    staging = Path(tempfile.mkdtemp(prefix="dflash-eval-tensorboard-"))
+    try:
+        writer = SummaryWriter(log_dir=str(staging), filename_suffix=TRACKER_SUFFIX)
+        for index, group in enumerate(groups):
+            rows = [r for r in group.candidates if r.step is not None and training_run_of(r.source) == run]
+            side = sides.get(index)
+            for row in sorted(rows, key=lambda r: r.step or 0):
+                scalars = _scalars(row, read_json(Path(row.scores_path)), side)
+                for name, value in scalars.items():
+                    writer.add_scalar(f"{prefixes[index]}/{name}", value, global_step=row.step)
+                    tags.add(f"{prefixes[index]}/{name}")
+                flags = side.flags_at(row.step) if side else []
+                if flags:
+                    writer.add_text(f"{prefixes[index]}/flags",
+                                    "\n\n".join(f"**{f.kind}**: {f.message}" for f in flags), global_step=row.step)
+        writer.close()
+        (written,) = staging.glob(f"events.out.tfevents.*{TRACKER_SUFFIX}")
+        # copied under a name TensorBoard does not read, then renamed: a reader never sees half a file
+        partial = folder / f".writing-{os.getpid()}"
+        shutil.copyfile(written, partial)
+        os.replace(partial, folder / written.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for old in folder.glob(f"events.out.tfevents.*{TRACKER_SUFFIX}"):
+        if old.name != written.name:
+            old.unlink(missing_ok=True)
+    return sorted(tags)
+
+
+def _scalars(row, scores: dict, side: TrainingSide | None) -> dict[str, float]:
+    values = {"tau_macro": row.tau_macro, "tau_pooled": row.tau_pooled}
+    for name in ("tau_macro", "tau_pooled"):
+        if interval := scores.get(f"{name}_ci95"):
+            values[f"{name}_ci95_low"], values[f"{name}_ci95_high"] = interval
+    if row.all_positions_tau is not None:
+        values["all_positions_tau"] = row.all_positions_tau
+    for k, p in enumerate(scores.get("position_acceptance") or [], start=1):
+        if p is not None:
+            values[f"acceptance_at_position/{k}"] = p
+    for k, a in enumerate(row.teacher_forced_accuracy or (), start=1):
+        if a is not None:
+            values[f"teacher_forced_accuracy/{k}"] = a
+    if side is not None and (implied := side.implied(row)) is not None:
+        values["trainer_implied_acceptance"] = implied[0]
+    return values
+
+
+def _tag(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
+
+
+def track(groups: list[Group], source: str, training_log: str | None, tensorboard: str | None,
+          window: int) -> tuple[dict, dict[int, TrainingSide]]:
+    """The training side of an evaluated checkpoint (`source`): its run's log read beside every group
+    (flows.training_side), the TensorBoard run rewritten; returns (results["training"], {group index: its
+    side}). Problems (no log, a damaged one, a folder we cannot write) are listed, never raised: the
+    evaluation is complete without them."""
+    run = training_run_of(source)
+    logs = {run: training_log} if training_log else {}
+    sides: dict[int, TrainingSide] = {}
+    for index, group in enumerate(groups):
+        found = [s for s in training_sides(group, logs, window) if s.rows and training_run_of(s.rows[0].source) == run]
+        if found:
+            sides[index] = found[0]
+    record: dict = {"run": run, "log": None, "problems": [], "flags": [], "tensorboard": None}
+    if sides:
+        first = next(iter(sides.values()))
+        record.update(log=first.log.folder, problems=first.log.problems,
+                      flags=[{"kind": f.kind, "step": f.step, "message": f.message}
+                             for side in sides.values() for f in side.flags])
+        mine = [(side, row) for side in sides.values() for row in side.rows if row.source == source]
+        if mine:
+            side, row = mine[0]
+            implied = side.implied(row)
+            record["at_step"] = {**side.point(row).as_dict(), "implied": implied[0] if implied else None,
+                                 "implied_from": implied[1] if implied else None}
+    elif training_log:  # given, but nothing in it could be read
+        record["problems"] = read_training_log(training_log).problems or [f"training log {training_log}: nothing read"]
+    folder = Path(tensorboard) if tensorboard else default_tracker_folder(run)
+    if folder is not None:
+        try:
+            record["tensorboard_tags"] = write_tensorboard(folder, groups, run, sides)
+            record["tensorboard"] = str(folder)
+        except OSError as e:
+            record["problems"].append(f"tensorboard {folder}: cannot write the run ({e}); the scores are in the store")
+    return record, sides

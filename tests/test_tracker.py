@@ -1,0 +1,148 @@
+"""Tau in the team's tracker, through the flow: four saves of a training run whose log SpecForge's own
+tracker and checkpoint manager wrote; TensorBoard's reader and a real `tensorboard --logdir` server see
+dflash_eval/tau_macro at the four steps with history's values, re-evaluating replaces points, and the
+best-mismatch flag is raised exactly when best_meta.json names a step that is not the best by tau."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+from typer.testing import CliRunner
+
+from dflash_core.training_log import read_training_log
+from dflash_eval.flows.cli import app
+from dflash_eval.flows.history import history
+from dflash_eval.storage import Store
+from tests.ports import free_port
+from tests.test_pipeline import MAX_NEW
+from tests.test_training_log import write_run
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+STEPS = (100, 200, 300, 400)
+
+
+def tensorboard_scalars(folder, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    return [(e.step, e.value) for e in accumulator.Scalars(tag)]
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny, tmp_path_factory, prefect_api_url):
+    """A SpecForge-style run folder (the tiny run's four saves, `epoch_0_step_N` as its older trainer names
+    them, and its TensorBoard log), best_meta.json naming step 100, and the four saves evaluated."""
+    from dflash_eval.flows.evaluate import evaluate_checkpoint
+
+    root = tmp_path_factory.mktemp("tracker")
+    run, store = root / "run", root / "store"
+    for step, folder in zip(STEPS, tiny.drafter_steps):
+        shutil.copytree(folder, run / f"epoch_0_step_{step}")
+    write_run(run, steps=STEPS, best=100, accuracy=lambda step: 0.5 + step / 2000)
+
+    def evaluate(step, **kwargs):
+        return evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(run / f"epoch_0_step_{step}"),
+                                   prompts=str(tiny.prompts), max_new_tokens=MAX_NEW, store=str(store), **kwargs)
+
+    results = {step: evaluate(step) for step in STEPS}
+    return run, store, results, evaluate
+
+
+def test_tau_lands_in_tensorboard_at_each_training_step(evaluated):
+    run, store, results, _ = evaluated
+    (group,) = history(Store(store))
+    taus = {row.step: row.tau_macro for row in group.rows}
+    ours = run / "runs" / "dflash-eval"
+    assert results[400]["training"]["tensorboard"] == str(ours)
+    assert tensorboard_scalars(ours, "dflash_eval/tau_macro") == [(s, pytest.approx(taus[s])) for s in STEPS]
+    low = tensorboard_scalars(ours, "dflash_eval/tau_macro_ci95_low")
+    assert [v for _, v in low] == [pytest.approx(r.tau_macro_ci95[0]) for r in group.rows]
+    assert len(tensorboard_scalars(ours, "dflash_eval/acceptance_at_position/1")) == 4
+    assert len(tensorboard_scalars(ours, "dflash_eval/trainer_implied_acceptance")) == 4
+    # the trainer's own event file is untouched, and ours is never read as the trainer's
+    assert len(list((run / "runs").glob("events.out.tfevents.*"))) == 1
+    assert not [name for name in read_training_log(run).scalars if name.startswith("dflash_eval")]
+
+
+def test_the_trainers_best_that_is_not_the_best_by_tau_is_flagged(evaluated):
+    run, store, results, evaluate = evaluated
+    flags = results[400]["training"]["flags"]
+    mismatch = [f for f in flags if f["kind"] == "best mismatch"]
+    assert len(mismatch) == 1 and mismatch[0]["step"] == 100
+    assert "step 100" in mismatch[0]["message"] and "best_meta.json" in mismatch[0]["message"]
+    summary_history = CliRunner().invoke(app, ["history", "--store", str(store)])
+    assert summary_history.exit_code == 0 and "BEST MISMATCH (step 100)" in summary_history.output
+    report = (store / "report" / "report.md").read_text()
+    assert "Training beside evaluation" in report and "BEST MISMATCH (step 100)" in report
+
+    # the trainer names the best by tau: no flag
+    from specforge.training.checkpoint import CheckpointManager
+
+    (group,) = history(Store(store))
+    CheckpointManager(str(run), "run").update_best(group.best.step, {"eval/simulated_acc_len": 1.0})
+    again = evaluate(400)
+    assert again["stages"]["scores"] == "cached"
+    assert not [f for f in again["training"]["flags"] if f["kind"] == "best mismatch"]
+
+
+def test_re_evaluating_a_step_replaces_its_points(evaluated):
+    run, store, results, evaluate = evaluated
+    evaluate(300, refresh=["scores"])
+    ours = run / "runs" / "dflash-eval"
+    assert [s for s, _ in tensorboard_scalars(ours, "dflash_eval/tau_macro")] == list(STEPS)
+    assert len(list(ours.glob("events.out.tfevents.*"))) == 1
+
+
+def test_a_tensorboard_server_shows_the_same_scalars(evaluated):
+    run, store, _, _ = evaluated
+    (group,) = history(Store(store))
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(run / "runs"),
+                               "--host", "127.0.0.1", "--port", str(port), "--load_fast", "false"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars"
+        deadline, points = time.monotonic() + 90, None
+        while time.monotonic() < deadline:
+            try:
+                answer = requests.get(url, params={"run": "dflash-eval", "tag": "dflash_eval/tau_macro"}, timeout=5)
+                if answer.status_code == 200 and len(answer.json()) == 4:
+                    points = answer.json()
+                    break
+            except requests.ConnectionError:
+                pass
+            assert server.poll() is None, server.stderr.read()
+            time.sleep(1)
+        assert points is not None, "the TensorBoard server never served the scalars"
+        assert [(step, value) for _, step, value in points] == [
+            (r.step, pytest.approx(r.tau_macro, rel=1e-6)) for r in group.rows]
+        runs = requests.get(f"http://127.0.0.1:{port}/data/runs", timeout=5).json()
+        assert set(runs) == {".", "dflash-eval"}  # SpecForge's run and ours, side by side
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_all_positions_scores_add_the_teacher_forced_accuracy_beside_the_trainers(evaluated):
+    run, store, _, evaluate = evaluated
+    results = evaluate(400, all_positions=True)
+    accuracy = results["teacher_forced_accuracy"]
+    assert len(accuracy) == 7 and all(0 <= a <= 1 for a in accuracy) and accuracy[0] > accuracy[-1]
+    scalars = tensorboard_scalars(run / "runs" / "dflash-eval", "dflash_eval/teacher_forced_accuracy/1")
+    assert scalars == [(400, pytest.approx(accuracy[0]))]
+
+
+def test_a_damaged_training_log_is_a_warning_and_the_evaluation_completes(evaluated, tmp_path):
+    run, store, _, evaluate = evaluated
+    (run / "run.best_meta.json").write_text("{not json")
+    results = evaluate(200)
+    assert results["stages"]["scores"] == "cached" and results["tau_macro"] > 1
+    assert any("best_meta.json" in p for p in results["training"]["problems"])
+    missing = evaluate(200, training_log=str(tmp_path / "nowhere"))
+    assert any("does not exist" in p for p in missing["training"]["problems"]), missing["training"]
+    assert json.dumps(missing["training"])
