@@ -12,6 +12,7 @@ state message.
 The checks only read, except the store's write probe, made last, once everything else is known good.
 """
 
+import importlib.util
 import inspect
 import json
 import os
@@ -95,6 +96,7 @@ class EvaluationInputs:
     block_sizes: tuple[int, ...]  # --block-sizes: also drafted and scored at each of these (a sweep)
     training_log: str | None  # the training run's log folder (flows.training_side); None: found from the source
     tensorboard: str | None  # the TensorBoard run to write (flows.tracker); None: the training run's default
+    mlflow: str | None  # an MLflow tracking URI to write the same into; None: none
     divergence_window: int  # saves the diverging alarm fits over
     checked: CheckedInputs
 
@@ -358,7 +360,7 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
     # a deployment's templated parameters arrive as "" when their variable is unset
     p["reference"] = p["reference"] or "local"
     for name in ("drafter_config", "reference_api_key_file", "dask_address", "references", "step_cost",
-                 "training_log", "tensorboard"):
+                 "training_log", "tensorboard", "mlflow"):
         p[name] = p[name] or None
     replay_group = p["replay_group"]
     if isinstance(replay_group, bool) or not isinstance(replay_group, int) or replay_group < 1:
@@ -368,6 +370,8 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
         raise InputError(f"--divergence-window must be a whole number of at least 3 saves, got {window!r}")
     if p["tensorboard"] and (problem := writable_problem(Path(p["tensorboard"]), folder=True)):
         raise InputError(f"--tensorboard: {problem}")
+    if p["mlflow"] and importlib.util.find_spec("mlflow") is None:
+        raise InputError("--mlflow needs the mlflow package: pip install 'dflash-eval[mlflow]'")
     check_dask_address(p["dask_address"])
     checked = check_inputs(**{name: p[name] for name in CHECKED_PARAMETERS})
     try:
@@ -388,7 +392,8 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
         # a step cost alone projects the speedup at the one block size evaluated
         block_sizes=tuple(sorted(set(p["block_sizes"] or ())))
         or ((p["block_size"] or checked.drafter.block_size,) if p["step_cost"] else ()),
-        training_log=p["training_log"], tensorboard=p["tensorboard"], divergence_window=window, checked=checked)
+        training_log=p["training_log"], tensorboard=p["tensorboard"], mlflow=p["mlflow"], divergence_window=window,
+        checked=checked)
 
 
 def check_dask_address(address: str | None) -> int | None:

@@ -118,7 +118,7 @@ def evaluate(inputs: EvaluationInputs):
     sides = {}
     if found_row is not None and found_row[1].step is not None:
         results["training"], sides = track(groups, found_row[1].source, inputs.training_log, inputs.tensorboard,
-                                           inputs.divergence_window)
+                                           inputs.divergence_window, inputs.mlflow)
         for problem in results["training"]["problems"]:
             get_run_logger().warning(problem)
     publish(results, opened, Path(inputs.report_dir) if inputs.report_dir else opened.root / "report",
@@ -195,6 +195,7 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
         step_cost: str | None = None,
         training_log: str | None = None,
         tensorboard: str | None = None,
+        mlflow: str | None = None,
         divergence_window: int = DEFAULT_WINDOW,
     ) -> dict:
         """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
@@ -263,6 +264,8 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
                 alarm when training and evaluation disagree (flows/training_side.py).
             tensorboard: The TensorBoard run tau by training step is written into (default
                 <training run>/runs/dflash-eval when that folder is on this machine and writable).
+            mlflow: An MLflow tracking URI (http://HOST:PORT, file:DIR) to write the same into, an MLflow run of
+                ours per training run in experiment dflash-eval (empty: none).
             divergence_window: Saves the diverging alarm fits its slopes over (at least 3).
         """
         return evaluate(checked or check_evaluation(locals()))

@@ -61,6 +61,7 @@ class HistoryRow:
     per_reference: tuple[tuple[str, str, float], ...] = ()
     # all-positions mode: each draft position's accuracy whatever came before it (as training measures it)
     teacher_forced_accuracy: tuple[float | None, ...] | None = None
+    merged_scores: tuple[str, ...] = ()  # the other scores entries of the same checkpoint this row stands for
     best: bool = False  # the best candidate of its group
     regression: bool = False  # worse than the best earlier step's (the module docstring)
 
@@ -142,7 +143,8 @@ def history(store: Store) -> list[Group]:
             rows.remove(same)
             richer = row if same.all_positions_tau is None and row.all_positions_tau is not None else same
             first = min((t for t in (same.scored_at, row.scored_at) if t is not None), default=None)
-            row = replace(richer, scored_at=first)
+            other = row if richer is same else same
+            row = replace(richer, scored_at=first, merged_scores=richer.merged_scores + (other.scores,))
         rows.append(row)
     for group in groups.values():
         candidates = in_history_order(group.candidates)
@@ -190,10 +192,11 @@ def _scored(row: HistoryRow) -> tuple:
 
 
 def find_group(groups: list[Group], scores_key: str) -> tuple[Group, HistoryRow] | None:
-    """The group and row of one scores entry."""
+    """The group and row of one scores entry (or of the row standing for it: a checkpoint scored in decode and in
+    all-positions mode is one row)."""
     for group in groups:
         for row in group.rows:
-            if row.scores == scores_key:
+            if scores_key == row.scores or scores_key in row.merged_scores:
                 return group, row
     return None
 

@@ -12,12 +12,17 @@ PREFIX/<setting> (a sampled setting, a chosen block size: "T=0.6 x8", "greedy, b
 tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high, all_positions_tau (when scored),
 acceptance_at_position/<k> (P(position k accepted | earlier ones accepted)), teacher_forced_accuracy/<k>
 (scored with --all-positions), and, where the trainer's log implies one, trainer_implied_acceptance. The gap alarm's flags are text, PREFIX/flags.
+
+With a tracking URI (--mlflow), the same points go to an MLflow run of ours (experiment "dflash-eval", one
+run per training run, tagged with it), rewritten the same way: a new run, then the old one deleted.
 """
 
 import os
 import re
 import shutil
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_core.training_log import TRACKER_SUFFIX, read_training_log
@@ -27,6 +32,8 @@ from .history import Group
 from .training_side import TrainingSide, holds_training_log, training_run_of, training_sides
 
 PREFIX = "dflash_eval"
+MLFLOW_EXPERIMENT = "dflash-eval"
+MLFLOW_RUN_TAG = "dflash_eval.training_run"  # the training run an MLflow run of ours shows
 
 
 def default_tracker_folder(run: str) -> Path | None:
@@ -43,36 +50,53 @@ def series_prefixes(groups: list[Group]) -> dict[int, str]:
     """Group index -> its tag prefix: PREFIX for greedy at the drafter's block, PREFIX/<setting> otherwise;
     groups that would share a prefix (other prompts, another target) add their title."""
     prefixes = {i: PREFIX if g.setting == "greedy" else f"{PREFIX}/{_tag(g.setting)}" for i, g in enumerate(groups)}
-    for i, g in enumerate(groups):
-        if list(prefixes.values()).count(prefixes[i]) > 1:
-            prefixes[i] = f"{prefixes[i]}/{_tag(g.title)}"
-    return prefixes
+    shared = {p for p in prefixes.values() if list(prefixes.values()).count(p) > 1}
+    return {i: f"{p}/{_tag(groups[i].title)}" if p in shared else p for i, p in prefixes.items()}
 
 
-def write_tensorboard(folder: Path, groups: list[Group], run: str, sides: dict[int, TrainingSide]) -> list[str]:
-    """Rewrite the TensorBoard run in `folder` with every stepped checkpoint of training run `run` (as
-    flows.training_side.training_run_of names it) in `groups`; sides: {group index: its TrainingSide}
-    for the trainer's implied acceptance and the flags. Returns the scalar tags written."""
+@dataclass(frozen=True)
+class Projection:
+    """What a tracker shows of one training run: scalars (tag, training step, value) and the flags' text
+    (tag, training step, markdown), in step order."""
+
+    scalars: list[tuple[str, int, float]]
+    texts: list[tuple[str, int, str]]
+
+    @property
+    def tags(self) -> list[str]:
+        return sorted({tag for tag, _, _ in self.scalars})
+
+
+def projection(groups: list[Group], run: str, sides: dict[int, TrainingSide]) -> Projection:
+    """Every stepped checkpoint of training run `run` (flows.training_side.training_run_of) in `groups`, as
+    tracker points; sides: {group index: its TrainingSide}, for what the trainer's numbers imply and the flags."""
+    prefixes = series_prefixes(groups)
+    scalars, texts = [], []
+    for index, group in enumerate(groups):
+        rows = [r for r in group.candidates if r.step is not None and training_run_of(r.source) == run]
+        side = sides.get(index)
+        for row in sorted(rows, key=lambda r: r.step or 0):
+            assert row.step is not None
+            for name, value in _scalars(row, read_json(Path(row.scores_path)), side).items():
+                scalars.append((f"{prefixes[index]}/{name}", row.step, value))
+            if flags := side.flags_at(row.step) if side else []:
+                texts.append((f"{prefixes[index]}/flags", row.step,
+                              "\n\n".join(f"**{f.kind}**: {f.message}" for f in flags)))
+    return Projection(scalars, texts)
+
+
+def write_tensorboard(folder: Path, points: Projection) -> None:
+    """Rewrite the TensorBoard run in `folder` with `points` (the module docstring: never half written)."""
     from torch.utils.tensorboard import SummaryWriter
 
     folder.mkdir(parents=True, exist_ok=True)
-    prefixes = series_prefixes(groups)
-    tags: set[str] = set()
     staging = Path(tempfile.mkdtemp(prefix="dflash-eval-tensorboard-"))
     try:
         writer = SummaryWriter(log_dir=str(staging), filename_suffix=TRACKER_SUFFIX)
-        for index, group in enumerate(groups):
-            rows = [r for r in group.candidates if r.step is not None and training_run_of(r.source) == run]
-            side = sides.get(index)
-            for row in sorted(rows, key=lambda r: r.step or 0):
-                scalars = _scalars(row, read_json(Path(row.scores_path)), side)
-                for name, value in scalars.items():
-                    writer.add_scalar(f"{prefixes[index]}/{name}", value, global_step=row.step)
-                    tags.add(f"{prefixes[index]}/{name}")
-                flags = side.flags_at(row.step) if side else []
-                if flags:
-                    writer.add_text(f"{prefixes[index]}/flags",
-                                    "\n\n".join(f"**{f.kind}**: {f.message}" for f in flags), global_step=row.step)
+        for tag, step, value in points.scalars:
+            writer.add_scalar(tag, value, global_step=step)
+        for tag, step, text in points.texts:
+            writer.add_text(tag, text, global_step=step)
         writer.close()
         (written,) = staging.glob(f"events.out.tfevents.*{TRACKER_SUFFIX}")
         # copied under a name TensorBoard does not read, then renamed: a reader never sees half a file
@@ -84,7 +108,40 @@ def write_tensorboard(folder: Path, groups: list[Group], run: str, sides: dict[i
     for old in folder.glob(f"events.out.tfevents.*{TRACKER_SUFFIX}"):
         if old.name != written.name:
             old.unlink(missing_ok=True)
-    return sorted(tags)
+
+
+def write_mlflow(tracking_uri: str, run: str, points: Projection) -> str:
+    """Rewrite training run `run`'s MLflow run, in experiment MLFLOW_EXPERIMENT, tagged with the training run:
+    the same metrics at the same steps, the flags as tags; the previous one is deleted once the new one is
+    complete (MLflow appends a metric logged twice at a step: a rewrite replaces). Returns the run's id."""
+    from mlflow.entities import Metric, RunTag
+    from mlflow.tracking import MlflowClient
+
+    if tracking_uri.startswith(("http://", "https://")):  # MLflow's client retries a dead server for minutes
+        import requests
+
+        try:
+            requests.get(f"{tracking_uri.rstrip('/')}/health", timeout=10).raise_for_status()
+        except requests.RequestException as e:
+            raise OSError(f"the MLflow server at {tracking_uri} does not answer ({type(e).__name__})") from None
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name(MLFLOW_EXPERIMENT)
+    experiment_id = experiment.experiment_id if experiment else client.create_experiment(MLFLOW_EXPERIMENT)
+    previous = client.search_runs([experiment_id], filter_string=f"tags.`{MLFLOW_RUN_TAG}` = '{run}'")
+    created = client.create_run(experiment_id, run_name=f"dflash-eval {Path(run).name}",
+                                tags={MLFLOW_RUN_TAG: run})
+    run_id = created.info.run_id
+    now = int(time.time() * 1000)
+    metrics = [Metric(tag, value, now, step) for tag, step, value in points.scalars]
+    for start in range(0, len(metrics), 1000):  # MLflow's batch limit
+        client.log_batch(run_id, metrics=metrics[start:start + 1000])
+    tags = [RunTag(f"{tag}/step_{step}", text[:5000]) for tag, step, text in points.texts]
+    if tags:
+        client.log_batch(run_id, tags=tags)
+    client.set_terminated(run_id)
+    for old in previous:
+        client.delete_run(old.info.run_id)
+    return run_id
 
 
 def _scalars(row, scores: dict, side: TrainingSide | None) -> dict[str, float]:
@@ -106,13 +163,14 @@ def _scalars(row, scores: dict, side: TrainingSide | None) -> dict[str, float]:
 
 
 def _tag(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", text).strip("_")
+    # what both trackers accept in a name (MLflow: letters, digits, _ - . / and space)
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")
 
 
 def track(groups: list[Group], source: str, training_log: str | None, tensorboard: str | None,
-          window: int) -> tuple[dict, dict[int, TrainingSide]]:
+          window: int, mlflow: str | None = None) -> tuple[dict, dict[int, TrainingSide]]:
     """The training side of an evaluated checkpoint (`source`): its run's log read beside every group
-    (flows.training_side), the TensorBoard run rewritten; returns (results["training"], {group index: its
+    (flows.training_side), the TensorBoard run (and, given a tracking URI, the MLflow run) rewritten; returns (results["training"], {group index: its
     side}). Problems (no log, a damaged one, a folder we cannot write) are listed, never raised: the
     evaluation is complete without them."""
     run = training_run_of(source)
@@ -136,11 +194,18 @@ def track(groups: list[Group], source: str, training_log: str | None, tensorboar
                                  "implied_from": implied[1] if implied else None}
     elif training_log:  # given, but nothing in it could be read
         record["problems"] = read_training_log(training_log).problems or [f"training log {training_log}: nothing read"]
+    points = projection(groups, run, sides)
     folder = Path(tensorboard) if tensorboard else default_tracker_folder(run)
     if folder is not None:
         try:
-            record["tensorboard_tags"] = write_tensorboard(folder, groups, run, sides)
-            record["tensorboard"] = str(folder)
+            write_tensorboard(folder, points)
+            record["tensorboard"], record["tracker_tags"] = str(folder), points.tags
         except OSError as e:
             record["problems"].append(f"tensorboard {folder}: cannot write the run ({e}); the scores are in the store")
+    if mlflow:
+        try:
+            record["mlflow_run"] = write_mlflow(mlflow, run, points)
+            record["tracker_tags"] = points.tags
+        except Exception as e:  # noqa: BLE001 - the tracker is a view: the evaluation is complete without it
+            record["problems"].append(f"mlflow {mlflow}: cannot write the run ({e}); the scores are in the store")
     return record, sides

@@ -1,10 +1,10 @@
-"""The fault suite: `dflash-eval run` SIGKILLed at 12 points spread over every stage, each followed by a
+"""The fault suite: `dflash-eval run` SIGKILLed at 10 points spread over every stage, each followed by a
 rerun that must give exactly the uninterrupted run's results, recompute no finished work and leave no
 process behind.
 
 Kill points are writes (tests/fault_run.py): just before or just after the K-th record, feature array
 or file copy of a run. An uninterrupted counting run lists every write and the stage it belongs to;
-the 12 points are drawn (seeded): 2 in each stage, so every stage is hit, and 2 more among the rest.
+the 10 points are drawn (seeded): 2 in each stage, so every stage is hit.
 """
 
 import json
@@ -23,7 +23,7 @@ from tests.tiny_models import first_prompts
 pytestmark = pytest.mark.slow
 
 STAGES = ("fetch", "references", "features", "drafts", "scores")
-N_KILLS = 12
+N_KILLS = 10
 N_PROMPTS = 3
 MAX_NEW = 24
 REPO = Path(__file__).parent.parent

@@ -19,6 +19,7 @@ from dflash_eval.flows.history import history
 from dflash_eval.storage import Store
 from tests.ports import free_port
 from tests.test_pipeline import MAX_NEW
+from tests.test_served_settings import client_artifacts
 from tests.test_training_log import write_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
@@ -46,8 +47,14 @@ def evaluated(tiny, tmp_path_factory, prefect_api_url):
     write_run(run, steps=STEPS, best=100, accuracy=lambda step: 0.5 + step / 2000)
 
     def evaluate(step, **kwargs):
-        return evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(run / f"epoch_0_step_{step}"),
-                                   prompts=str(tiny.prompts), max_new_tokens=MAX_NEW, store=str(store), **kwargs)
+        state = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(run / f"epoch_0_step_{step}"),
+                                    prompts=str(tiny.prompts), max_new_tokens=MAX_NEW, store=str(store),
+                                    return_state=True, **kwargs)
+        flow_runs[step] = state.state_details.flow_run_id
+        return state.result()
+
+    flow_runs: dict = {}
+    evaluate.flow_runs = flow_runs
 
     results = {step: evaluate(step) for step in STEPS}
     return run, store, results, evaluate
@@ -75,6 +82,13 @@ def test_the_trainers_best_that_is_not_the_best_by_tau_is_flagged(evaluated):
     mismatch = [f for f in flags if f["kind"] == "best mismatch"]
     assert len(mismatch) == 1 and mismatch[0]["step"] == 100
     assert "step 100" in mismatch[0]["message"] and "best_meta.json" in mismatch[0]["message"]
+    # in the Prefect UI: the summary says it with its reason, the history table marks the step
+    artifacts = client_artifacts(evaluate.flow_runs[400])
+    (summary,) = [a.data for a in artifacts if a.type == "markdown" and (a.key or "").endswith("-summary")]
+    assert "### Training beside evaluation" in summary and "**BEST MISMATCH** (step 100)" in summary
+    assert "TensorBoard run:" in summary
+    (table,) = [json.loads(a.data) for a in artifacts if a.type == "table" and (a.key or "").endswith("-history")]
+    assert {r["step"]: r["flags"] for r in table}["100"] == "best mismatch"
     summary_history = CliRunner().invoke(app, ["history", "--store", str(store)])
     assert summary_history.exit_code == 0 and "BEST MISMATCH (step 100)" in summary_history.output
     report = (store / "report" / "report.md").read_text()
@@ -146,3 +160,47 @@ def test_a_damaged_training_log_is_a_warning_and_the_evaluation_completes(evalua
     missing = evaluate(200, training_log=str(tmp_path / "nowhere"))
     assert any("does not exist" in p for p in missing["training"]["problems"]), missing["training"]
     assert json.dumps(missing["training"])
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real MLflow tracking server on loopback (SQLite store), as `mlflow server` runs for a team."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri",
+                               f"sqlite:///{tmp_path / 'mlflow.db'}", "--default-artifact-root", str(tmp_path / "art"),
+                               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert server.poll() is None, server.stderr.read()
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                time.sleep(1)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_mlflow_gets_the_same_points_and_a_rewrite_replaces_them(evaluated, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    run, store, _, evaluate = evaluated
+    (group,) = history(Store(store))
+    first = evaluate(400, mlflow=mlflow_server)["training"]
+    client = MlflowClient(mlflow_server)
+    points = [(m.step, m.value) for m in client.get_metric_history(first["mlflow_run"], "dflash_eval/tau_macro")]
+    assert sorted(points) == [(r.step, pytest.approx(r.tau_macro)) for r in group.rows]
+    again = evaluate(300, mlflow=mlflow_server)["training"]
+    assert client.get_run(first["mlflow_run"]).info.lifecycle_stage == "deleted"
+    live = client.search_runs([client.get_experiment_by_name("dflash-eval").experiment_id])
+    assert [r.info.run_id for r in live] == [again["mlflow_run"]]
+    assert len(client.get_metric_history(again["mlflow_run"], "dflash_eval/tau_macro")) == 4
+    assert live[0].data.tags["dflash_eval.training_run"] == str(run)
+
+    dead = evaluate(200, mlflow=f"http://127.0.0.1:{free_port()}")
+    assert dead["tau_macro"] > 1 and any("does not answer" in p for p in dead["training"]["problems"])

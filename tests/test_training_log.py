@@ -214,6 +214,17 @@ def test_the_best_by_the_trainers_own_metric_without_best_meta(tmp_path):
     assert mismatch.step == 100 and "eval/simulated_acc_len" in mismatch.message
 
 
+def test_each_setting_has_its_own_tensorboard_tags():
+    from dflash_eval.flows.tracker import series_prefixes
+
+    greedy, sampled = group_of([]), replace(group_of([]), setting="T=0.6 top-k 20 x8")
+    blocks = replace(group_of([]), setting="greedy, blocks of 4")
+    assert series_prefixes([greedy, sampled, blocks]) == {
+        0: "dflash_eval", 1: "dflash_eval/T_0.6_top-k_20_x8", 2: "dflash_eval/greedy_blocks_of_4"}
+    other_prompts = replace(group_of([]), title="target on code.jsonl")  # another greedy series: both titled
+    assert series_prefixes([greedy, other_prompts]) == {0: "dflash_eval/t", 1: "dflash_eval/target_on_code.jsonl"}
+
+
 def test_a_log_that_cannot_be_read_leaves_only_a_named_problem(tmp_path):
     side = training_side(group_of([row(100, [2.0] * 4)]), "/runs/r", tmp_path / "nowhere", 4)
     assert side.flags == [] and "does not exist" in side.log.problems[0]

@@ -79,6 +79,9 @@ TrainingLogOption = Annotated[str | None, typer.Option(
 TensorboardOption = Annotated[str | None, typer.Option(
     "--tensorboard", metavar="DIR", help="Write tau by training step into this TensorBoard run (default "
     "<training run>/runs/dflash-eval when the run folder is on this machine and writable).")]
+MlflowOption = Annotated[str | None, typer.Option(
+    "--mlflow", metavar="URI", help="Also write tau by training step into an MLflow run of ours at this tracking "
+    "URI (http://HOST:PORT of `mlflow server`, or file:DIR), experiment dflash-eval, one run per training run.")]
 DivergenceWindow = Annotated[int, typer.Option(
     "--divergence-window", min=3, help="Saves the diverging alarm fits its slopes over (training accuracy rising "
     "while tau does not).")]
@@ -191,6 +194,7 @@ class Settings(OptionGroup):
     step_cost: StepCost = None
     training_log: TrainingLogOption = None
     tensorboard: TensorboardOption = None
+    mlflow: MlflowOption = None
     divergence_window: DivergenceWindow = 4
 
     def parameters(self) -> dict:
@@ -206,7 +210,7 @@ class Settings(OptionGroup):
                 "block_size": self.block_size, "block_sizes": block_size_list(self.block_sizes),
                 "step_cost": absolute(self.step_cost) if self.step_cost else None,
                 "training_log": absolute(self.training_log) if self.training_log else None,
-                "tensorboard": absolute(self.tensorboard) if self.tensorboard else None,
+                "tensorboard": absolute(self.tensorboard) if self.tensorboard else None, "mlflow": self.mlflow or None,
                 "divergence_window": self.divergence_window}
 
 
