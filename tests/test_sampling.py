@@ -236,9 +236,10 @@ def test_replay_over_sampled_output_equals_online_loop(qwen3_run, sampling, rule
 @pytest.mark.slow
 def test_replay_over_sampled_output_equals_online_loop_on_hybrid_target(tiny_qwen3_5_run):
     target, drafter, eos, prompts = trained_run(tiny_qwen3_5_run, n_prompts=4)
-    for rule in ("match", "rejection"):
-        lengths = online_equals_replay(target, drafter, prompts, eos,
-                                       Sampling(temperature=0.6, top_k=20, top_p=0.95), rule)
+    for rule, sampling in (("match", Sampling(temperature=0.6, top_k=20, top_p=0.95)),
+                           ("rejection", Sampling(temperature=0.6, top_k=20, top_p=0.95)),
+                           ("rejection", Sampling(temperature=1.0))):
+        lengths = online_equals_replay(target, drafter, prompts, eos, sampling, rule)
         assert any(1 < a < drafter.block_size for a in lengths), "no partial acceptance: the rollback was not exercised"
 
 
