@@ -36,10 +36,11 @@ RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
 
 
 def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] | None = None,
-            sides: dict[int, TrainingSide] | None = None, step_costs: dict[int, float] | None = None) -> dict[str, str]:
+            training: dict[int, list[TrainingSide]] | None = None,
+            step_costs: dict[int, float] | None = None) -> dict[str, str]:
     """Rewrite the report (step_costs: --step-cost, for its projected speedups) and publish the scores, summary
-    and report-link artifacts; returns their keys. groups: history(store), when the caller has it; sides:
-    {group index: the evaluated checkpoint's training run beside it} (flows.tracker.track)."""
+    and report-link artifacts; returns their keys. groups: history(store), when the caller has it; training:
+    {group index: each training run with a log beside it} (flows.tracker.track), when the caller read them."""
     logger = get_run_logger()
     series = series_key(results["target"], results["prompts"])
     keys = {name: f"{series}-{name}" for name in ("scores", "history", "summary", "report")}
@@ -52,16 +53,15 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
         described = f"tau by training step: {group.title}; this run {results['tau_macro']:.3f}"
         if group.best:
             described += f", best {group.best.label} {group.best.tau_macro:.3f}"
-        side = (sides or {}).get(groups.index(group))
+        row = found[1]
+        side = next((s for s in (training or {}).get(groups.index(group), ()) if any(r is row for r in s.rows)), None)
         create_table_artifact(key=keys["history"], table=history_table(group, side), description=described)
     report = plot = None
     try:
         from .report import tau_plot_path, write_report  # matplotlib: imported only when a run has scores to show
 
-        training_logs = {results["training"]["run"]: results["training"]["log"]} if results.get("training", {}).get("log") \
-            else {}
         report = write_report(store, report_dir, groups=groups, step_costs=step_costs,  # the store's scores, read once
-                              training_logs=training_logs)
+                              training=training or None)
         if found is not None and any(r.step is not None for r in found[0].rows):
             plot = tau_plot_path(groups.index(found[0]) + 1)
     except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them

@@ -115,14 +115,14 @@ def evaluate(inputs: EvaluationInputs):
     opened = Store(store)
     groups = history(opened)
     found_row = find_group(groups, results["keys"]["scores"])
-    sides = {}
+    training = {}
     if found_row is not None and found_row[1].step is not None:
-        results["training"], sides = track(groups, found_row[1].source, inputs.training_log, inputs.tensorboard,
+        results["training"], training = track(groups, found_row[1].source, inputs.training_log, inputs.tensorboard,
                                            inputs.divergence_window, inputs.mlflow)
         for problem in results["training"]["problems"]:
             get_run_logger().warning(problem)
     publish(results, opened, Path(inputs.report_dir) if inputs.report_dir else opened.root / "report",
-            groups=groups, sides=sides, step_costs=inputs.checked.step_costs)
+            groups=groups, training=training, step_costs=inputs.checked.step_costs)
     _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
     found = outcome(results)
     get_run_logger().info(found)

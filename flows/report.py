@@ -181,22 +181,25 @@ class Report:
 
 
 def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group] | None = None,
-                 step_costs: dict[int, float] | None = None, training_logs: dict[str, str] | None = None) -> Path:
+                 step_costs: dict[int, float] | None = None, training_logs: dict[str, str] | None = None,
+                 training: dict[int, list[TrainingSide]] | None = None) -> Path:
     """Write `out_dir/report.html` (self-contained), `out_dir/report.md` and its plots `out_dir/img/*.png`;
     return the HTML path. `last`: how many of the newest checkpoints of each group the acceptance curves,
     histograms and category table show (with the baselines). groups: history(store), when the caller
     has it already. step_costs: {b: cost of a speculative step verifying b tokens / a plain decode step}
     (--step-cost), for the projected speedup per block size; they describe the serving box, not a
     checkpoint, so the store does not keep them. training_logs: {training run: its log folder} for runs whose
-    folder is not on this machine (flows.training_side finds local ones). Raises NothingToReport on a store
-    without scores."""
+    folder is not on this machine (flows.training_side finds local ones); training: {group index (0-based):
+    its TrainingSides}, when the caller has read the logs already. Raises NothingToReport on a store without
+    scores."""
     groups = history(store) if groups is None else groups
     if not groups:
         raise NothingToReport(f"no scored checkpoint in {store.location}: nothing to report")
     diagnostics = _diagnostics_by_checkpoint(store)
     report = Report(store=store.location, written=datetime.now(UTC),
                     groups=[_group_section(group, f"group{index}", max(1, last), diagnostics,
-                                           training_sides(group, training_logs))
+                                           training[index - 1] if training is not None
+                                           else training_sides(group, training_logs))
                             for index, group in enumerate(groups, start=1)],
                     side_by_side=side_by_side(groups), block_sweeps=block_sweeps(groups, step_costs or {}))
 

@@ -168,18 +168,17 @@ def _tag(text: str) -> str:
 
 
 def track(groups: list[Group], source: str, training_log: str | None, tensorboard: str | None,
-          window: int, mlflow: str | None = None) -> tuple[dict, dict[int, TrainingSide]]:
+          window: int, mlflow: str | None = None) -> tuple[dict, dict[int, list[TrainingSide]]]:
     """The training side of an evaluated checkpoint (`source`): its run's log read beside every group
-    (flows.training_side), the TensorBoard run (and, given a tracking URI, the MLflow run) rewritten; returns (results["training"], {group index: its
-    side}). Problems (no log, a damaged one, a folder we cannot write) are listed, never raised: the
-    evaluation is complete without them."""
+    (flows.training_side), the TensorBoard run (and, given a tracking URI, the MLflow run) rewritten. Returns
+    (results["training"], {group index: the TrainingSide of each of its training runs with a log}), the
+    latter for the artifacts and the report, so that no log is read twice. Problems (no log, a damaged one,
+    a folder we cannot write) are listed, never raised: the evaluation is complete without them."""
     run = training_run_of(source)
     logs = {run: training_log} if training_log else {}
-    sides: dict[int, TrainingSide] = {}
-    for index, group in enumerate(groups):
-        found = [s for s in training_sides(group, logs, window) if s.rows and training_run_of(s.rows[0].source) == run]
-        if found:
-            sides[index] = found[0]
+    every = {index: training_sides(group, logs, window) for index, group in enumerate(groups)}
+    sides = {index: side for index, found in every.items() for side in found
+             if side.rows and training_run_of(side.rows[0].source) == run}
     record: dict = {"run": run, "log": None, "problems": [], "flags": [], "tensorboard": None}
     if sides:
         first = next(iter(sides.values()))
@@ -208,4 +207,4 @@ def track(groups: list[Group], source: str, training_log: str | None, tensorboar
             record["tracker_tags"] = points.tags
         except Exception as e:  # noqa: BLE001 - the tracker is a view: the evaluation is complete without it
             record["problems"].append(f"mlflow {mlflow}: cannot write the run ({e}); the scores are in the store")
-    return record, sides
+    return record, every
