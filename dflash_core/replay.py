@@ -149,10 +149,12 @@ class BlockScorer:
         return hidden
 
     @torch.no_grad()
-    def draft_tokens(self, blocks: Sequence[tuple[int, int]]) -> list[list[int]]:
-        """The drafter's whole block of guesses (positions 1..B-1) for each (reference index, start)."""
+    def draft_tokens(self, blocks: Sequence[tuple[int, int]], positions: int | None = None) -> list[list[int]]:
+        """The drafter's guesses at block positions 1..positions (default all, B-1) for each (reference
+        index, start)."""
         hidden = self._hidden(blocks, self._truth(blocks))
-        return (hidden[:, 1:] @ self.head.T).argmax(-1).tolist()
+        last = self.B if positions is None else 1 + positions
+        return (hidden[:, 1:last] @ self.head.T).argmax(-1).tolist()
 
     @torch.no_grad()
     def score(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:

@@ -99,6 +99,9 @@ class DiagnosticsSection:
     sliding_tried: bool  # whether diagnostics.json says anything about the sliding switch ...
     sliding_switch: dict | None  # ... {"from", "to", "tau_macro"}, or None: the drafter has no sliding layers
     examples: list[dict]  # first rejected drafts: diagnostics.json's `first_divergence`
+    noise_tau: float | None  # tau with noise in place of every feature (None: not recorded)
+    agreement: dict[str, float]  # agreement rates by name (dflash_core.diagnostics.agreement_counts); {}: none
+    findings: list[dict]  # what the diagnostics say about how the drafter was trained (dflash_core.diagnostics)
 
 
 @dataclass(frozen=True)
@@ -261,8 +264,8 @@ def _environment(autoescape: bool) -> Environment:
     # one per form: Jinja2 decides autoescaping per environment, and report.j2 is shared by both forms
     environment = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=autoescape, undefined=StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True)
-    environment.filters.update(counted=_count, decimals=_decimals, fence=_fence, md_cell=_markdown_cell,
-                               name=_name, squash=_squash)
+    environment.filters.update(counted=_count, decimals=_decimals, percent=_percent, fence=_fence,
+                               md_cell=_markdown_cell, name=_name, squash=_squash)
     return environment
 
 
@@ -345,6 +348,10 @@ def _diagnostics_section(row: HistoryRow, report: dict, prefix: str) -> Diagnost
         unprobed_offsets=[p["offset"] for p in probe if p["tau_macro"] is None],
         sliding_tried="sliding_switch" in report, sliding_switch=report.get("sliding_switch"),
         examples=report.get("first_divergence") or [],
+        noise_tau=report.get("noise_instead_of_features"),
+        agreement={name: counts["rate"] for name, counts in (report.get("agreement") or {}).items()
+                   if counts.get("rate") is not None},
+        findings=report.get("findings") or [],
     )
 
 
@@ -357,6 +364,10 @@ def _count(n: int, noun: str) -> str:
 
 def _decimals(x: float | None, digits: int) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _percent(x: float) -> str:
+    return f"{x:.0%}"
 
 
 def _name(row: HistoryRow) -> str:

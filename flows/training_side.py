@@ -39,6 +39,7 @@ from .history import Group, HistoryRow, paired_interval
 DEFAULT_WINDOW = 4  # saves the diverging check fits slopes over
 GAP_MARGIN = 0.25  # train/eval gap: implied acceptance above tau's interval by more than this share of tau
 POSITION_MARGIN = 0.15  # ... or the trainer's accuracy at a draft position above ours (teacher-forced) by more
+LEAK_ACCURACY = 0.9  # a trainer's accuracy this high at every draft position: the block saw its answers
 
 BEST_MISMATCH, DIVERGING, TRAIN_EVAL_GAP = "best mismatch", "diverging", "train/eval gap"
 
@@ -197,9 +198,14 @@ def _gaps(side: TrainingSide) -> list[Flag]:
                                f"(positions 1-{len(ours)}: ours {_percentages(ours)}, the trainer's "
                                f"{_percentages(theirs[:len(ours)])})")
         if reasons:
+            leak = ""
+            if len(theirs) >= 3 and min(theirs) >= LEAK_ACCURACY:
+                leak = (f" Most likely a leak: the trainer's accuracy is {min(theirs):.0%} or higher at every draft "
+                        "position up to the block's last, where a drafter that cannot see the block's answers falls; "
+                        "attention leaking into the block's future does this.")
             flags.append(Flag(TRAIN_EVAL_GAP, row.step or 0,
-                              "; ".join(reasons) + ". Training and decoding disagree about this drafter; known "
-                              "causes: " + "; ".join(KNOWN_CAUSES) + "."))
+                              "; ".join(reasons) + "." + leak + " Training and decoding disagree about this drafter; "
+                              "known causes: " + "; ".join(KNOWN_CAUSES) + "."))
     return flags
 
 

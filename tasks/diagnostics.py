@@ -1,5 +1,6 @@
-"""Diagnostics stage: layer ablation, layer-offset probe, sliding switch, first divergences
-(dflash_core.diagnostics), from the cached features: drafter replays only, no target run."""
+"""Diagnostics stage: layer ablation, noise, layer-offset probe, sliding switch, first divergences, first-token
+agreement and the findings (dflash_core.diagnostics), from the cached features: drafter replays only, no target
+run."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -9,7 +10,17 @@ from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
 from dflash_core.choices import SLIDING_SEMANTICS
-from dflash_core.diagnostics import DEFAULT_OFFSETS, Variant, diagnostic_variants, first_divergences, variant_features
+from dflash_core.diagnostics import (
+    DEFAULT_OFFSETS,
+    NOISE,
+    Variant,
+    agreement_counts,
+    diagnostic_variants,
+    findings,
+    first_divergences,
+    next_tokens,
+    variant_features,
+)
 from dflash_core.drafter import load_drafter
 from dflash_core.metrics import PromptScore, tau_macro
 from dflash_core.replay import ReplayResult, replay
@@ -32,7 +43,7 @@ from .threads import replay_threads
 
 STAGE = Stage.DIAGNOSTICS
 # Bump when what the diagnostics compute changes (part of the key).
-DIAGNOSTICS_VERSION = 1
+DIAGNOSTICS_VERSION = 2  # 2: the noise variant, first-token agreement and the findings
 EXAMPLES = 8  # first-divergence examples kept
 
 
@@ -45,9 +56,10 @@ class Diagnostics:
 
 
 def layers_needed(layer_ids, num_target_layers: int, offsets=DEFAULT_OFFSETS) -> list[int]:
-    """Every target layer the diagnostics read: the drafter's and those of the offsets in range."""
+    """Every target layer the diagnostics read: the drafter's, those of the offsets in range, and the last
+    (the target's next tokens, for the first-token agreement)."""
     variants, _ = diagnostic_variants(layer_ids, num_target_layers, offsets)
-    return sorted({i for v in variants for i in v.layer_ids} | set(layer_ids))
+    return sorted({i for v in variants for i in v.layer_ids} | set(layer_ids) | {num_target_layers - 1})
 
 
 @task(name="diagnostics", cache_policy=NONE, persist_result=False)
@@ -63,10 +75,10 @@ def diagnose(
     device: str = "cpu",
     refresh: bool = False,
 ):
-    """Tau with each layer's features zeroed, with all of them, with shifted layers, with the other
-    sliding semantics, each at the block size the drafts were verified with; and the first rejected draft of
-    each prompt, as text. `features` must hold
-    layers_needed(...) (the flow extracts them with the drafter's)."""
+    """Tau with each layer's features zeroed, with all of them, with noise instead, with shifted layers, with
+    the other sliding semantics, each at the block size the drafts were verified with; the first rejected draft
+    of each prompt, as text; how often the first drafted token is the target's own next token; and the findings.
+    `features` must hold layers_needed(...) (the flow extracts them with the drafter's)."""
     store = Store(store_location)
     key = key_of({"drafts": drafts.key, "offsets": list(DEFAULT_OFFSETS), "examples": EXAMPLES,
                   "diagnostics": DIAGNOSTICS_VERSION})
@@ -95,6 +107,7 @@ def diagnose(
         needed = layers_needed(ids, num_layers)
         results: dict[str, list[ReplayResult]] = {v.name: [] for v in variants}
         switched_results, examples = [], []
+        agreement: dict[str, list[int]] = {}
         with StageProgress(STAGE, "prompts diagnosed", len(items)) as progress, replay_threads(drafter, len(items)):
             for start in range(0, len(items), PROMPTS_PER_GROUP):
                 group = range(start, min(start + PROMPTS_PER_GROUP, len(items)))
@@ -105,12 +118,19 @@ def diagnose(
                 references = [items[n].reference for n in group]
                 drafter_inputs = [variant_features(Variant("unmodified", ids), f) for f in by_layer]
                 for variant in variants:
-                    results[variant.name] += replay(drafter, embed, lm_head, references,
-                                                    [variant_features(variant, f) for f in by_layer],
+                    inputs = [variant_features(variant, f, seed=n) for n, f in zip(group, by_layer)]
+                    results[variant.name] += replay(drafter, embed, lm_head, references, inputs,
                                                     block_size=drafts.block_size)
                 if switched is not None:
                     switched_results += replay(switched, embed, lm_head, references, drafter_inputs,
                                                block_size=drafts.block_size)
+                target_next = [next_tokens(f[num_layers - 1], lm_head) for f in by_layer]
+                counted = agreement_counts(drafter, embed, lm_head, references, drafter_inputs, target_next,
+                                           block_size=drafts.block_size)
+                for name, (agreed, compared) in counted.items():
+                    total = agreement.setdefault(name, [0, 0])
+                    total[0] += agreed
+                    total[1] += compared
                 if len(examples) < EXAMPLES:
                     found = first_divergences(drafter, embed, lm_head, references, drafter_inputs,
                                               unmodified[start:start + len(group)], tokenizer.decode,
@@ -126,12 +146,19 @@ def diagnose(
         offsets = {0: (list(ids), scores.tau_macro)}
         offsets.update({v.offset: (list(v.layer_ids), tau(results[v.name])) for v in variants if v.offset})
         offsets.update({o: ([i + o for i in ids], None) for o in out_of_range})
+        ablated = {i: tau(results[f"ablate layer {i}"]) for i in ids}
+        noise_tau = tau(results[NOISE])
         report = {
             "tau_macro": scores.tau_macro,
             "layer_ids": list(ids),
             "num_target_layers": num_layers,
-            "layer_ablation": [{"layer_id": i, "tau_macro": tau(results[f"ablate layer {i}"])} for i in ids],
+            "layer_ablation": [{"layer_id": i, "tau_macro": t} for i, t in ablated.items()],
             "all_layers_ablated": tau(results["all layers ablated"]),
+            "noise_instead_of_features": noise_tau,
+            "agreement": {name: {"agreed": agreed, "compared": compared,
+                                 "rate": agreed / compared if compared else None}
+                          for name, (agreed, compared) in agreement.items()},
+            "findings": findings(scores.tau_macro, ablated, noise_tau, num_layers, agreement),
             "layer_offset_probe": [{"offset": o, "layer_ids": offsets[o][0], "tau_macro": offsets[o][1]}
                                    for o in sorted(offsets)],
             "sliding_switch": None if switched is None else {

@@ -272,3 +272,39 @@ def test_replay_refuses_mismatched_inputs(qwen3_target):
         replay(good, qwen3_target.embed_weight, qwen3_target.head_weight, [Reference(3, [5, 6, 7, 99])], feats)
     with pytest.raises(ValueError, match="features cover 5 tokens, the reference needs 6"):
         replay(good, qwen3_target.embed_weight, qwen3_target.head_weight, [Reference(3, [5, 6, 7, 8, 9, 10, 11])], feats)
+
+
+def test_agreement_counts_equal_a_block_by_block_count(qwen3_target):
+    """The diagnostics' agreement counts, drafted in padded batches of blocks from many references, equal a
+    count over one block at a time; the target's next tokens from its last layer's features are its greedy
+    ones (the references here are greedy)."""
+    from dflash_core.diagnostics import LABEL_OFFSETS, agreement_counts, next_tokens
+
+    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 3), mask_token_id=0)
+    drafter = random_drafter(raw, seed=12, scale=3.0)
+    refs = [Reference(len(p), greedy_decode(qwen3_target, p, 20, stop_token_ids=[STOP])) for p in prompts(seed=2)]
+    last = qwen3_target.num_layers - 1
+    feats = extract_features(qwen3_target, [r.token_ids for r in refs], [0, 3, last])
+    target_next = [next_tokens(f[2], qwen3_target.head_weight, rows=7) for f in feats]
+    for ref, following in zip(refs, target_next):  # greedy: the target's next token is the reference's
+        assert following[ref.prompt_len - 1:len(ref.token_ids) - 1].tolist() == list(ref.token_ids[ref.prompt_len:])
+    inputs = [f[:2] for f in feats]
+    counted = agreement_counts(drafter, qwen3_target.embed_weight, qwen3_target.head_weight, refs, inputs,
+                               target_next, blocks_per_pass=5)
+    scorer = BlockScorer(drafter, qwen3_target.embed_weight, qwen3_target.head_weight, refs, inputs)
+    expected = {name: [0, 0] for name in ("context", "references", *LABEL_OFFSETS)}
+    for s, ref in enumerate(refs):
+        tokens = ref.token_ids
+        for p in range(1, len(tokens) - 1):
+            (drafted,) = scorer.draft_tokens([(s, p)])
+            where = "context" if p + 1 < ref.prompt_len else "references"
+            expected[where][0] += drafted[0] == int(target_next[s][p])
+            expected[where][1] += 1
+            if where == "references":
+                for name, shift in LABEL_OFFSETS.items():
+                    for k, d in enumerate(drafted, start=1):
+                        if 0 <= p + k + shift < len(tokens):
+                            expected[name][0] += d == tokens[p + k + shift]
+                            expected[name][1] += 1
+    assert counted == expected
+    assert 0 < counted["references"][0] < counted["references"][1] and counted["context"][1] > 0

@@ -9,7 +9,13 @@ head, weighted exp(-(k-1)/gamma) by block position k; the target's embeddings ar
 Blocks never see each other: each block is its own batch row, so the attention mask cannot leak
 across blocks (SpecForge #470), and a block sees the context only before its own anchor.
 
-Saves checkpoints at steps like a real run (step_100/, step_200/, ...) in the published format.
+Saves checkpoints at steps like a real run (step_100/, step_200/, ...) in the published format; given a
+log folder, logs what SpecForge's trainer logs, under its names, with TensorBoard's writer: `train/loss`,
+`train/acc` and per draft position `train/acc_<k>` (teacher-forced: the argmax at block position k + 1
+against its label, whatever the positions before it did).
+
+For the tests of the train/eval alarm and the diagnostics only, `planted_bug` trains with one of the
+bugs the seed project had (PLANTED_BUGS); the published recipe has none.
 """
 
 import math
@@ -24,6 +30,16 @@ import torch.nn.functional as F
 from ..drafter import DFlashDrafter, save_drafter
 from ..drafter_config import DrafterConfig
 from ..replay import Reference
+
+# tests only: the bugs a drafter can be trained with, and what each does
+PLANTED_BUGS = {
+    "leaked_block": "each block sees its own answers: its masks replaced by the tokens they must predict "
+                    "(attention leaking into the block's future)",
+    "shifted_label": "labels one position late: block position k learns the token at anchor + k + 1",
+    "noisy_features": "the target's features drowned in noise (3x their spread) while training",
+}
+
+LOG_EVERY = 10  # steps between logged training scalars
 
 Progress = Callable[[str, int, int], None]
 """Told how far a long step of the tiny build is: (the step's name, units done, units in all), e.g.
@@ -41,6 +57,11 @@ class DrafterTrainingSettings:
     weight_decay: float = 0.0
     loss_decay_gamma: float = 4.0  # SpecForge uses 7 for blocks of 16; 4 suits blocks of 8
     seed: int = 0
+    planted_bug: str | None = None  # tests only: one of PLANTED_BUGS
+
+    def __post_init__(self):
+        if self.planted_bug is not None and self.planted_bug not in PLANTED_BUGS:
+            raise ValueError(f"planted_bug {self.planted_bug!r}: not one of {', '.join(PLANTED_BUGS)}")
 
 
 def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
@@ -62,10 +83,13 @@ def init_drafter(raw_config: dict, seed: int = 0, sliding_semantics: str = "caus
     return model
 
 
-def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, gamma, generator):
-    """Weighted cross-entropy of n_anchors random blocks from each of a batch of sequences.
+def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, gamma, generator,
+               planted_bug: str | None = None, label_tokens=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted cross-entropy of n_anchors random blocks from each of a batch of sequences, and per draft
+    position the blocks whose argmax matched its label and the blocks with a label there ([B-1] each).
 
-    tokens[i] [T_i] (prompt + completion), features[i] [K, >= T_i - 1, H], prompt_lens[i].
+    tokens[i] [T_i] (prompt + completion), features[i] [K, >= T_i - 1, H], prompt_lens[i]; label_tokens[i]
+    [T_i]: what each position is trained to predict (default tokens[i], the reference itself).
     All blocks run as one batch; each row sees only its own sequence's context before its anchor.
     """
     B, n_seq = drafter.block_size, len(tokens)
@@ -76,22 +100,27 @@ def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, g
         padded[i, :, : len(t) - 1] = f[:, : len(t) - 1]
     context = drafter.context_kv(padded)  # per layer (k, v) [n_seq, n_kv, context_len, hd]
 
-    rows, anchors = [], []
+    row_list, anchor_list = [], []
     for i, (t, prompt_len) in enumerate(zip(tokens, prompt_lens)):
         # anchors among the completion tokens that have at least one label after them
         candidates = len(t) - 1 - prompt_len
         chosen = prompt_len + torch.randperm(candidates, generator=generator)[: min(n_anchors, candidates)]
-        rows += [i] * len(chosen)
-        anchors.append(chosen)
-    rows, anchors = torch.tensor(rows), torch.cat(anchors)
+        row_list += [i] * len(chosen)
+        anchor_list.append(chosen)
+    rows, anchors = torch.tensor(row_list), torch.cat(anchor_list)
     offsets = torch.arange(B)
     positions = anchors[:, None] + offsets  # [N, B]
     lengths = torch.tensor([len(t) for t in tokens])[rows]
     all_tokens = torch.nn.utils.rnn.pad_sequence(list(tokens), batch_first=True)  # [n_seq, T_max]
-    labels = all_tokens[rows[:, None], positions.clamp(max=all_tokens.shape[1] - 1)]
-    labels = torch.where(positions < lengths[:, None], labels, -100)[:, 1:]  # [N, B-1]
+    labelled = positions + 1 if planted_bug == "shifted_label" else positions
+    label_source = all_tokens if label_tokens is None else torch.nn.utils.rnn.pad_sequence(list(label_tokens),
+                                                                                          batch_first=True)
+    labels = label_source[rows[:, None], labelled.clamp(max=all_tokens.shape[1] - 1)]
+    labels = torch.where(labelled < lengths[:, None], labels, -100)[:, 1:]  # [N, B-1]
     ids = torch.full_like(positions, drafter.mask_token_id)
     ids[:, 0] = all_tokens[rows, anchors]
+    if planted_bug == "leaked_block":
+        ids[:, 1:] = torch.where(labels >= 0, labels, drafter.mask_token_id)
 
     S = int(anchors.max())
     block_context = [(k[rows, :, :S], v[rows, :, :S]) for k, v in context]
@@ -100,7 +129,9 @@ def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, g
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none",
                          ignore_index=-100).view(labels.shape)
     weights = torch.exp(-(offsets[1:] - 1) / gamma)[None].expand_as(ce) * (labels != -100)
-    return (ce * weights).sum() / weights.sum()
+    labelled_here = labels != -100
+    correct = ((logits.argmax(-1) == labels) & labelled_here).sum(0)
+    return (ce * weights).sum() / weights.sum(), correct.detach(), labelled_here.sum(0)
 
 
 def train_drafter(
@@ -114,11 +145,15 @@ def train_drafter(
     sliding_semantics: str = "causal",
     log: Callable[[str], None] | None = print,
     progress: Progress | None = None,
+    log_dir: str | Path | None = None,
+    label_tokens: Sequence[torch.Tensor] | None = None,
 ) -> list[Path]:
     """Train a drafter with `raw_config` (a DFlash config.json dict) and save step_N checkpoints.
 
     features[i]: the target's features [K, T_i, H] of reference i for the config's target_layer_ids.
-    Returns the saved checkpoint directories in step order. `progress` is told each step done.
+    Returns the saved checkpoint directories in step order. `progress` is told each step done. log_dir:
+    where TensorBoard scalars go (the module docstring), every LOG_EVERY steps; None: none. label_tokens (tests
+    only): per reference, what each position is trained to predict instead of the reference's own token.
     """
     drafter = init_drafter(raw_config, settings.seed, sliding_semantics).train()
     embed = embed_weight.detach().float()
@@ -134,20 +169,37 @@ def train_drafter(
                                    {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95))
 
     generator = torch.Generator().manual_seed(settings.seed)
+    if settings.planted_bug == "noisy_features":
+        features = [f.float() + 3 * f.float().std() * torch.randn(f.shape, generator=generator) for f in features]
     out_dir = Path(out_dir)
+    writer = None
+    if log_dir is not None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(str(log_dir))
+    window = torch.zeros(2, drafter.block_size - 1)  # (correct, labelled) per position since the last log
     saved, started, running = [], time.perf_counter(), None
     for step in range(1, settings.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step - 1, settings.steps, settings.lr, settings.warmup_steps)
         pick = [usable[j] for j in torch.randint(len(usable), (settings.sequences_per_step,), generator=generator)]
-        loss = block_loss(drafter, embed, head, [tokens[i] for i in pick], [features[i].float() for i in pick],
-                          [references[i].prompt_len for i in pick], settings.anchors_per_sequence,
-                          settings.loss_decay_gamma, generator)
+        loss, correct, labelled = block_loss(
+            drafter, embed, head, [tokens[i] for i in pick], [features[i].float() for i in pick],
+            [references[i].prompt_len for i in pick], settings.anchors_per_sequence, settings.loss_decay_gamma,
+            generator, settings.planted_bug, None if label_tokens is None else [label_tokens[i] for i in pick])
+        window += torch.stack([correct, labelled]).float()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         running = loss.item() if running is None else 0.9 * running + 0.1 * loss.item()
+        if writer is not None and step % LOG_EVERY == 0:
+            accuracy = window[0] / window[1].clamp(min=1)
+            writer.add_scalar("train/loss", running, step)
+            writer.add_scalar("train/acc", float(window[0].sum() / window[1].sum().clamp(min=1)), step)
+            for k, a in enumerate(accuracy.tolist()):
+                writer.add_scalar(f"train/acc_{k}", a, step)
+            window.zero_()
         if progress:
             progress("drafter training", step, settings.steps)
         if step % settings.save_every == 0 or step == settings.steps:
@@ -156,4 +208,6 @@ def train_drafter(
             saved.append(path)
             if log:
                 log(f"drafter step {step}: loss {running:.3f} ({time.perf_counter() - started:.0f} s) -> {path}")
+    if writer is not None:
+        writer.close()
     return saved

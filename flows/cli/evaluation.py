@@ -151,6 +151,17 @@ def _print_diagnostics(console, d: dict) -> None:
     if d["sliding_switch"]:
         sw = d["sliding_switch"]
         console.print(f"sliding semantics {sw['to']} instead of {sw['from']}: tau {sw['tau_macro']:.2f}")
+    if d.get("noise_instead_of_features") is not None:
+        console.print(f"noise instead of every feature: tau {d['noise_instead_of_features']:.2f}")
+    rates = {name: counts["rate"] for name, counts in (d.get("agreement") or {}).items() if counts["rate"] is not None}
+    if "references" in rates and "context" in rates:
+        console.print(f"first drafted token = the target's own next token: {rates['references']:.0%} of the "
+                      f"references' positions, {rates['context']:.0%} of the context's")
+    if {"offset -1", "offset 0", "offset +1"} <= rates.keys():
+        console.print(f"drafted tokens = the reference's one position earlier {rates['offset -1']:.0%}, at their "
+                      f"own {rates['offset 0']:.0%}, one later {rates['offset +1']:.0%}")
+    for finding in d.get("findings", ()):
+        console.print(f"FINDING ({finding['kind']}): {finding['message']}", markup=False)
     for divergence in d["first_divergence"][:3]:
         console.print(f"first divergence in {divergence['id']} at completion token {divergence['position']}: "
                       f"after {divergence['context']!r} drafted {divergence['drafted']!r}, "
