@@ -320,6 +320,10 @@ def _refuse_unimplemented(fields: _Fields) -> None:
     raw, nested = fields.raw, fields.nested
     architectures = raw.get("architectures")
     if architectures is not None and architectures != [ARCHITECTURE]:
+        if "dflash_config" not in raw and isinstance(architectures, list) and any(
+                isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
+            fields.fail(f"architectures {architectures!r}: this looks like a target model, not a DFlash drafter (no "
+                        "dflash_config); pass it as the target and the drafter checkpoint as the drafter")
         fields.fail(f"architectures {architectures!r}: only {ARCHITECTURE} is implemented here (DFlash2DraftModel adds "
                     "dynamic convolutions and a candidate selector; Domino/DSpark drafters add logits heads). "
                     "Score this checkpoint with its own reference implementation.")

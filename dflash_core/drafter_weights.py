@@ -129,4 +129,4 @@ def check_drafter_weights(path: str | Path, config: DrafterConfig | None = None)
         bad = int((~torch.isfinite(weight)).sum())
         if bad:
             raise DrafterError(f"{path}: weight {name} has {bad} of {weight.numel()} values NaN or infinite: the "
-                               "training diverged or the save is corrupt; nothing was stored")
+                               "training diverged or the save is corrupt; no store entry was written")

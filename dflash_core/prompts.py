@@ -219,7 +219,9 @@ def _read_record(record: dict, at: _Line, tokenizer, thinking: bool, vocab_size:
     category = _read_category(record, at)
     found = [name for name in PROMPT_FIELDS if name in record]
     if len(found) != 1:
-        what = "none of them" if not found else " and ".join(f"'{name}'" for name in found)
+        others = [name for name in record if name not in ("id", "category")]
+        what = (f"none of them (its fields: {', '.join(repr(n) for n in others) or 'none'})" if not found
+                else " and ".join(f"'{name}'" for name in found))
         raise at.error(
             f"a prompt needs exactly one of 'text', 'messages', 'turns' or 'input_ids'; found {what}; "
             "keep one prompt field per line"

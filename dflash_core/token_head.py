@@ -110,6 +110,20 @@ class TextWeights:
     key_to_file: dict[str, Path]
 
 
+def _looks_like_drafter(folder: Path) -> str | None:
+    """What marks `folder` as a DFlash drafter (its config's dflash_config or architecture), or None."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if "dflash_config" in config:
+        return "its config.json has dflash_config"
+    dflash = [a for a in config.get("architectures") or () if isinstance(a, str) and "dflash" in a.lower()]
+    return f"its architecture is {dflash[0]}" if dflash else None
+
+
 def find_text_weights(target_dir) -> TextWeights:
     """Find the text decoder's embedding and head among a checkpoint's tensor names.
 
@@ -122,7 +136,10 @@ def find_text_weights(target_dir) -> TextWeights:
     key_to_file = tensor_files(target_dir)
     embed_key = _find_unique_key(key_to_file, "embed_tokens", target_dir)
     if embed_key is None:
-        raise ValueError(f"no embedding tensor (*embed_tokens.weight) outside the vision/audio parts in {target_dir}")
+        drafter = _looks_like_drafter(target_dir)
+        raise ValueError(f"no embedding tensor (*embed_tokens.weight) outside the vision/audio parts in {target_dir}"
+                         + (f": it looks like a DFlash drafter ({drafter}), not a target; pass it as the drafter and "
+                            "the model it drafts for as the target" if drafter else ""))
     prefix = embed_key[: -len("embed_tokens.weight")]
     head_key = _find_unique_key(key_to_file, "lm_head", target_dir)
     if head_key is None and _read_tie_flag(target_dir) is False:

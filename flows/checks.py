@@ -292,8 +292,9 @@ def check_out(out: Path | None, folder: bool = False) -> None:
 
 
 def writable_problem(path: Path, folder: bool) -> str | None:
-    """Why this command could not create and fill `path` (a folder) or write it (a file), or None. Only reads:
-    bad input leaves nothing behind. os.access also answers for root on a read-only filesystem (EROFS)."""
+    """Why this command could not create and fill `path` (a folder) or write it (a file), or None. Bad input
+    leaves nothing behind. os.access also answers for root on a read-only filesystem (EROFS); a file created and
+    removed at once in the nearest folder answers where even root cannot write (/proc, /sys)."""
     path = Path(path).absolute()
     try:
         for found in (path, *path.parents):  # the nearest part of the path that exists
@@ -307,17 +308,26 @@ def writable_problem(path: Path, folder: bool) -> str | None:
     if found != path:
         if not stat.S_ISDIR(mode):
             return f"{path} cannot be created: {found} is a file, not a folder"
-        if not os.access(found, os.W_OK | os.X_OK):
+        if not os.access(found, os.W_OK | os.X_OK) or not _can_create_in(found):
             return f"{path} cannot be created: {found} is not writable (permissions, or a read-only filesystem)"
         return None
     if folder and not stat.S_ISDIR(mode):
         return f"{path} is a file, not a folder"
     if not folder and stat.S_ISDIR(mode):
         return f"{path} is a folder; give a file name"
-    if not os.access(path, os.R_OK | os.W_OK | os.X_OK if folder else os.W_OK):
+    if not os.access(path, os.R_OK | os.W_OK | os.X_OK if folder else os.W_OK) or not _can_create_in(
+            path if folder else path.parent):
         what = "readable and writable" if folder else "writable"
         return f"{path} is not {what} (permissions, or a read-only filesystem)"
     return None
+
+
+def _can_create_in(folder: Path) -> bool:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
 
 
 def store_problem(store: str | None) -> str | None:
@@ -370,6 +380,16 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
         raise InputError(f"--divergence-window must be a whole number of at least 3 saves, got {window!r}")
     if p["tensorboard"] and (problem := writable_problem(Path(p["tensorboard"]), folder=True)):
         raise InputError(f"--tensorboard: {problem}")
+    if p["report_dir"] and (problem := writable_problem(Path(p["report_dir"]), folder=True)):
+        raise InputError(f"--report-dir: {problem}")
+    for name, option, least in (("concurrency", "--concurrency", 1), ("checkpoint_wait", "--checkpoint-wait", 0),
+                                ("settle_seconds", "--settle-seconds", 0)):
+        value = p[name]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value < least):
+            raise InputError(f"{option} must be a number of at least {least}, got {value!r}")
+    if p["drafter_config"] and not Path(p["drafter_config"]).is_file():
+        raise InputError(f"--drafter-config {p['drafter_config']}: no such file (the drafter's config.json, for "
+                         "checkpoints saved without one)")
     if p["mlflow"] and importlib.util.find_spec("mlflow") is None:
         raise InputError("--mlflow needs the mlflow package: pip install 'dflash-eval[mlflow]'")
     check_dask_address(p["dask_address"])

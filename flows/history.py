@@ -100,27 +100,43 @@ class Group:
         return next((r for r in self.rows if r.best), None)
 
 
-def history(store: Store) -> list[Group]:
-    """Every group of comparable scores, its rows in history order with the best one and regressions marked."""
+def history(store: Store, problems: list[str] | None = None) -> list[Group]:
+    """Every group of comparable scores, its rows in history order with the best one and regressions marked.
+
+    Reads only: a damaged or stale entry is left as it is and its row left out, with one line saying so and how
+    to get the row back, appended to `problems` (None: each one warned about instead)."""
+
+    def left_out(message: str, category: type[Warning]) -> None:
+        if problems is None:
+            warnings.warn(message, category, stacklevel=3)
+        else:
+            problems.append(message)
+
     groups: dict[tuple[str, str, int | None], Group] = {}
     for key in store.keys(Stage.SCORES):
         try:
-            entry = store.read_entry(Stage.SCORES, key)  # verifies scores.json (a damaged one is warned about)
+            entry = store.read_entry(Stage.SCORES, key, discard_damaged=False)  # verifies scores.json
             record = ScoresRecord.from_record(entry.record)
             # records only: their files (drafts.json, weights) are not read here, and a run verifies them
-            drafts = DraftsRecord.from_record(store.read_record(Stage.DRAFTS, record.drafts, verify=False))
-            fetch = FetchRecord.from_record(store.read_record(Stage.FETCH, drafts.checkpoint, verify=False))
+            drafts = DraftsRecord.from_record(store.read_record(Stage.DRAFTS, record.drafts, verify=False,
+                                                                discard_damaged=False))
+            fetch = FetchRecord.from_record(store.read_record(Stage.FETCH, drafts.checkpoint, verify=False,
+                                                              discard_damaged=False))
             scored_at = store.committed_at(Stage.SCORES, key)
             scores = read_json(store.entry(Stage.SCORES, key) / SCORES_FILE)
-        except EntryMissing:  # it, its drafts or its checkpoint entry was deleted or damaged: nothing to show
+        except EntryMissing as e:  # absent or incomplete (deleted, being written): nothing to show or say
+            if e.damaged:
+                whose = "" if (e.stage, e.key) == (Stage.SCORES, key) else f" (its {e.stage} entry {e.key})"
+                left_out(f"scores/{key} left out{whose}: {e.reason}; `dflash-eval verify --repair` removes the "
+                         "damage, then evaluating that checkpoint again restores its row", CorruptEntryWarning)
             continue
         except (OSError, ValueError, KeyError) as e:  # removed meanwhile, or not in this format
-            warnings.warn(f"history: skipping scores/{key}: {e!r}", CorruptEntryWarning, stacklevel=2)
+            left_out(f"scores/{key} left out: {e!r}", CorruptEntryWarning)
             continue
         changed = stale_upstream(store, entry)
         if changed:
-            warnings.warn(f"history: skipping scores/{key}: stale, built on {', '.join(changed)}, whose content "
-                          "has changed since; the next run scores it again", StaleEntryWarning, stacklevel=2)
+            left_out(f"scores/{key} left out: stale, built on {', '.join(changed)}, whose content has changed "
+                     "since; the next evaluation of that checkpoint scores it again", StaleEntryWarning)
             continue
         group_key = (drafts.features, drafts.sliding_semantics, drafts.chosen_block_size)
         if group_key not in groups:
@@ -132,7 +148,7 @@ def history(store: Store) -> list[Group]:
             drafts=record.drafts, scores=key, scores_path=str(store.entry(Stage.SCORES, key) / SCORES_FILE),
             scored_at=scored_at, tau_macro=scores["tau_macro"], tau_macro_ci95=tuple(ci) if ci else None,
             tau_pooled=scores["tau_pooled"], all_positions_tau=scores.get("all_positions_tau"),
-            baseline=store.is_complete(Stage.BASELINES, drafts.checkpoint),
+            baseline=store.is_complete(Stage.BASELINES, drafts.checkpoint, discard_damaged=False),
             per_reference=tuple((p["id"], p.get("prompt") or p["id"], p["tau"]) for p in scores.get("per_prompt", ())
                                 if p.get("tau") is not None),
             teacher_forced_accuracy=tuple(scores["teacher_forced_accuracy"]) if "teacher_forced_accuracy" in scores
@@ -208,9 +224,10 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
     blocks = f", blocks of {chosen_block_size}" if chosen_block_size else ""
     try:
         # a title only: records, no files read
-        features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, features_key, verify=False))
+        features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, features_key, verify=False,
+                                                                discard_damaged=False))
         references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
-                                                                    verify=False))
+                                                                    verify=False, discard_damaged=False))
     except (EntryMissing, KeyError):
         title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
         return title + blocks, title, f"features {features_key[:12]}" + blocks

@@ -276,9 +276,10 @@ def _diagnostics_by_checkpoint(store: Store) -> dict[tuple[str, str, str], dict]
     found: dict[tuple[str, str, str], tuple[float, dict]] = {}
     for key in store.keys(Stage.DIAGNOSTICS):
         path = store.entry(Stage.DIAGNOSTICS, key) / DIAGNOSTICS_FILE
-        try:  # the diagnostics record first: reading it verifies diagnostics.json (a damaged one is warned about)
-            record = DiagnosticsRecord.from_record(store.read_record(Stage.DIAGNOSTICS, key))
-            drafts = DraftsRecord.from_record(store.read_record(Stage.DRAFTS, record.drafts, verify=False))
+        try:  # the diagnostics record first: reading it verifies diagnostics.json (a damaged one is left out)
+            record = DiagnosticsRecord.from_record(store.read_record(Stage.DIAGNOSTICS, key, discard_damaged=False))
+            drafts = DraftsRecord.from_record(store.read_record(Stage.DRAFTS, record.drafts, verify=False,
+                                                                discard_damaged=False))
             written, report = path.stat().st_mtime, read_json(path)
         except (EntryMissing, KeyError, OSError, ValueError):  # removed meanwhile, damaged, or not in this format
             continue

@@ -11,6 +11,9 @@ report.html. No listings, nothing hidden (the `.<name>.partial` files a write is
 resolves outside the folder. Every evaluation rewrites the folder, so nothing may be cached without
 asking again (`Cache-Control: no-cache`). flows/report.py writes each file to a temporary name and
 renames it into place: a request opens either the old or the new file, never one half written.
+
+Bounded as every server we ship (dflash_core.http_server): MAX_CONNECTIONS connections at once (a browser
+opens a few), a request must arrive whole within REQUEST_SECONDS (an idle keep-alive one is closed then).
 """
 
 import errno
@@ -21,10 +24,11 @@ import socket
 import stat
 import threading
 from email.utils import formatdate
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
+
+from dflash_core.http_server import BoundedHTTPServer, DeadlineRequestHandler
 
 REPORT_URL_ENV = "DFLASH_REPORT_URL"
 DEFAULT_HOST = "127.0.0.1"
@@ -33,6 +37,8 @@ INDEX = "report.html"
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".md": "text/markdown; charset=utf-8", ".png": "image/png"}
 # Opening the resolved path must not follow a link swapped in after it was resolved.
 _OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+MAX_CONNECTIONS = 32
+REQUEST_SECONDS = 30.0
 
 logger = logging.getLogger(__name__)
 
@@ -57,11 +63,7 @@ class _Refused(Exception):
         self.message = message
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True  # a browser's idle keep-alive connection must not keep the process alive
-
-
-class _IPv6Server(_Server):
+class _IPv6Server(BoundedHTTPServer):
     address_family = socket.AF_INET6
 
 
@@ -75,9 +77,10 @@ class ReportServer:
 
     def __init__(self, folder: str | os.PathLike, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT):
         self.folder = Path(folder).absolute()
-        server_class = _IPv6Server if ":" in host else _Server
+        server_class = _IPv6Server if ":" in host else BoundedHTTPServer
         try:
-            self._httpd = server_class((host, port), self._handler_class())
+            self._httpd = server_class((host, port), self._handler_class(), MAX_CONNECTIONS, MAX_CONNECTIONS,
+                                       name="report server", logger=logger)
         except OSError as e:
             if e.errno == errno.EADDRINUSE:
                 raise PortInUse(e.errno, f"port {port} on {host} is already in use") from None
@@ -148,11 +151,12 @@ class ReportServer:
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb"), st, content_type
 
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+    def _handler_class(self) -> type[DeadlineRequestHandler]:
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class Handler(DeadlineRequestHandler):
             server_version = "dflash-report"
+            request_timeout = REQUEST_SECONDS
 
             def do_GET(self) -> None:
                 self._send(body=True)
@@ -161,6 +165,7 @@ class ReportServer:
                 self._send(body=False)
 
             def _refuse_method(self) -> None:
+                self.close_connection = True  # its body is not read
                 self._error(405, "read-only: GET and HEAD only", {"Allow": "GET, HEAD"})
 
             do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_method

@@ -354,7 +354,11 @@ class FeatureStore:
             and metadata.get("chunk_key_encoding") == _DEFAULT_CHUNK_KEYS
             and chunk_width == shape[1]
         ):
-            return np.asarray(zarr.open_array(self._zarr_store, path=path, mode="r")[...])
+            try:  # not the layout `write` produces: an older store, or damaged metadata
+                return np.asarray(zarr.open_array(self._zarr_store, path=path, mode="r")[...])
+            except Exception as e:  # zarr's errors for unreadable metadata have no common base
+                raise FeatureMissing(layer_id, seq_index, f"unreadable metadata: zarr cannot read it "
+                                     f"({type(e).__name__}: {e})") from None
         out = np.empty(shape, dtype=dtype)
         for i, first in enumerate(range(0, shape[0], chunk_rows)):
             rows = out[first : first + chunk_rows].data.cast("B")

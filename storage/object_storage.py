@@ -129,9 +129,8 @@ class ObjectStorage:
 
     def _open(self, prefix: str) -> S3Store:
         # client_options replace the ones obstore reads from the environment: keep AWS_ALLOW_HTTP
-        allow_http = os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes")
         return S3Store(self.bucket, prefix=prefix or None,
-                       client_options={"connect_timeout": "5s", "timeout": "300s", "allow_http": allow_http},
+                       client_options={"connect_timeout": "5s", "timeout": "300s", "allow_http": _http_allowed()},
                        retry_config={"max_retries": 3, "retry_timeout": timedelta(seconds=20)})
 
     def child(self, relative: str) -> "ObjectStorage":
@@ -310,6 +309,10 @@ class ObjectStorage:
             raise
         except obstore.exceptions.BaseError as e:
             where = f" at {self.endpoint}" if self.endpoint else ""
+            if (self.endpoint or "").lower().startswith("http://") and not _http_allowed():
+                raise ObjectStorageError(
+                    f"object storage {self.url}{where}: the endpoint is plain http://, which is refused unless "
+                    "AWS_ALLOW_HTTP=true is set (do so for a server on a trusted network, or use https://)") from None
             raise ObjectStorageError(
                 f"object storage {self.url}{where} failed on {key or 'a listing'}: {_first_line(e)}. Check that the server is up "
                 "(AWS_ENDPOINT_URL), the bucket exists and the credentials (AWS_ACCESS_KEY_ID, "
@@ -322,6 +325,10 @@ def _parse_lock(raw: bytes) -> dict:
         return {"owner": str(data["owner"]), "expires": float(data["expires"])}
     except (ValueError, KeyError, TypeError):
         return {"owner": "unknown (unreadable lock object)", "expires": 0.0}  # unreadable: expired
+
+
+def _http_allowed() -> bool:
+    return os.environ.get("AWS_ALLOW_HTTP", "").lower() in ("1", "true", "yes")
 
 
 def _first_line(error: BaseException) -> str:

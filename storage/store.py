@@ -185,34 +185,38 @@ class Store:
 
     # ------------------------------------------------------------ reading
 
-    def read_entry(self, stage: str, key: str, *, verify: bool = True, full: bool = False) -> Entry:
+    def read_entry(self, stage: str, key: str, *, verify: bool = True, full: bool = False,
+                   discard_damaged: bool = True) -> Entry:
         """The committed entry (stage, key), its files checked against their digests.
 
         verify: files up to VERIFY_ON_READ_BYTES are hashed, larger ones checked by size; full: every
         file is hashed. Raises `EntryMissing` when the entry is absent or incomplete. A damaged entry
-        (corrupt `entry.json`; a file missing, resized or changed) is warned about
-        (`CorruptEntryWarning`, naming the entry and what is wrong), its marker and damaged files are
-        removed (so a resuming stage recomputes exactly those), and it also raises `EntryMissing`.
+        (corrupt `entry.json`; a file missing, resized or changed) also raises `EntryMissing` (`damaged`,
+        its reason naming what is wrong). A stage about to recompute it (discard_damaged) also has it
+        warned about (`CorruptEntryWarning`) and its marker and damaged files removed, so that it recomputes
+        exactly those; a reader (history, report, verify) passes False and changes nothing.
         """
-        return self._read_entry(stage, key, verify=verify, full=full)
+        return self._read_entry(stage, key, verify=verify, full=full, discard_damaged=discard_damaged)
 
-    def _read_entry(self, stage: str, key: str, *, verify: bool, full: bool, every_file: bool = False) -> Entry:
+    def _read_entry(self, stage: str, key: str, *, verify: bool, full: bool, every_file: bool = False,
+                    discard_damaged: bool = True) -> Entry:
         entry, damage, identity = self._inspect(stage, key, verify=verify or full, full=full, every_file=every_file)
         if entry is not None and not damage:
             return entry
         reasons = "; ".join(str(d) for d in damage)
+        if not discard_damaged:
+            raise EntryMissing(stage, key, f"damaged ({reasons})", damaged=True)
         warnings.warn(f"{stage}/{key} is corrupt ({reasons}): removed, it counts as a miss and will be recomputed",
                       CorruptEntryWarning, stacklevel=3)
         self._discard(stage, key, damage, identity)
         raise EntryMissing(stage, key, f"damaged, removed ({reasons})", damaged=True)
 
-    def read_record(self, stage: str, key: str, *, verify: bool = True) -> dict[str, Any]:
-        """The record committed for (stage, key): `read_entry(stage, key, verify=verify).record`.
+    def read_record(self, stage: str, key: str, *, verify: bool = True, discard_damaged: bool = True) -> dict[str, Any]:
+        """The record committed for (stage, key): `read_entry(stage, key, ...).record`.
 
-        Raises `EntryMissing` when the entry is absent, incomplete or damaged (a damaged one is
-        warned about and removed, see `read_entry`).
+        Raises `EntryMissing` when the entry is absent, incomplete or damaged (see `read_entry`).
         """
-        return self.read_entry(stage, key, verify=verify).record
+        return self.read_entry(stage, key, verify=verify, discard_damaged=discard_damaged).record
 
     def check(self, stage: str, key: str, *, full: bool = True) -> tuple[Entry | None, list[Damage]]:
         """(entry, what is damaged) without changing anything; entry is None when `entry.json` itself
@@ -229,14 +233,14 @@ class Store:
 
     def content(self, stage: str, key: str) -> str | None:
         """The content digest recorded for (stage, key) (None for an entry committed before digests were
-        recorded). Reads the marker only; raises `EntryMissing` as `read_entry` does."""
-        return self.read_entry(stage, key, verify=False).content
+        recorded). Reads the marker only and changes nothing; raises `EntryMissing` as `read_entry` does."""
+        return self.read_entry(stage, key, verify=False, discard_damaged=False).content
 
     def committed_at(self, stage: str, key: str) -> datetime | None:
         """When (stage, key) was committed (entry.json's `committed_at`, UTC), None if the marker holds no
         readable time (written by hand); raises `EntryMissing` as `read_record` does. A recomputed entry
-        (refresh) has the time of its last commit."""
-        committed = self.read_entry(stage, key, verify=False).committed_at
+        (refresh) has the time of its last commit. Changes nothing."""
+        committed = self.read_entry(stage, key, verify=False, discard_damaged=False).committed_at
         if not isinstance(committed, str):
             return None
         try:
@@ -245,10 +249,10 @@ class Store:
             return None
         return when if when.tzinfo else when.replace(tzinfo=UTC)  # comparable with every other time
 
-    def is_complete(self, stage: str, key: str) -> bool:
-        """Whether (stage, key) is committed and undamaged (a damaged one is removed, with a warning)."""
+    def is_complete(self, stage: str, key: str, *, discard_damaged: bool = True) -> bool:
+        """Whether (stage, key) is committed and undamaged (see `read_entry` for a damaged one)."""
         try:
-            self.read_entry(stage, key)
+            self.read_entry(stage, key, discard_damaged=discard_damaged)
         except EntryMissing:
             return False
         return True

@@ -17,8 +17,10 @@ shards): a SpecForge `training_state.pt` is read without executing it, its draft
 written as model.safetensors, and the payload itself is not kept.
 """
 
+import difflib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -153,9 +155,14 @@ def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...]
     directory = local_path(source).resolve()  # a run-latest link names the folder it points to
     if not directory.exists():
         if not directory.parent.is_dir():  # a run folder exists before its first save: a wrong path
-            raise CheckpointError(f"drafter checkpoint {source} is not a folder, and neither is {directory.parent}: "
-                                  "pass a checkpoint folder or a relay URL http://HOST:PORT/<path>")
-        raise _NotYet(f"no folder {directory} (yet)", absent=True)
+            raise CheckpointError(f"drafter checkpoint {source} is not a folder, and neither is {directory.parent}"
+                                  f"{_nearest(directory.parent)}: pass a checkpoint folder or a relay URL "
+                                  "http://HOST:PORT/<path>")
+        near = _similar_folders(directory)
+        if near and _steps_blanked(near[0]) != _steps_blanked(directory.name):  # not a later save: a typo
+            raise CheckpointError(f"drafter checkpoint {source}: no folder {directory.name} in {directory.parent}; "
+                                  f"did you mean {near[0]}?")
+        raise _NotYet(f"no folder {directory} (yet){_nearest(directory)}", absent=True)
     if not directory.is_dir():
         raise CheckpointError(f"drafter checkpoint {source} is not a folder: pass a checkpoint folder or a relay URL "
                               "http://HOST:PORT/<path>")
@@ -171,6 +178,25 @@ def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...]
     if pending is not None:
         raise _NotYet(pending)
     return ReadyCheckpoint(source, training_step(directory), found.layout, found.config_source, local=found)
+
+
+def _similar_folders(path: Path) -> list[str]:
+    """The folders beside `path` whose names are most like its name, most alike first."""
+    try:
+        siblings = [p.name for p in path.parent.iterdir() if p.is_dir()]
+    except OSError:
+        return []
+    return difflib.get_close_matches(path.name, siblings, n=3, cutoff=0.75)
+
+
+def _nearest(path: Path) -> str:
+    near = _similar_folders(path)
+    return f" (nearest there: {', '.join(near)})" if near else ""
+
+
+def _steps_blanked(name: str) -> str:
+    # step_1000 and step_1100 are one run's saves; stpe_1000 and step_1000 are not
+    return re.sub(r"\d+", "#", name)
 
 
 def await_checkpoint(source: str, relay_token_file: str | None = None, include=(), wait_seconds: float | None = None,
@@ -298,8 +324,12 @@ def fetch_checkpoint(
             # partial files stay in the entry if this is interrupted: the next run resumes them
             manifest = dict(ready.manifest, files=[f for f in ready.manifest["files"] if f["name"] in fetched])
             with StageProgress(STAGE, f"downloading {ready.manifest['path']}", manifest["total_bytes"]) as progress:
-                ready.client.download(manifest["path"], destination, manifest=manifest,
-                                      progress=lambda done, total: progress.update(done))
+                try:
+                    ready.client.download(manifest["path"], destination, manifest=manifest,
+                                          progress=lambda done, total: progress.update(done))
+                except RelayError as e:
+                    raise CheckpointError(f"drafter {source}: the download stopped: {e}. What arrived is kept: "
+                                          "run again to resume it") from None
         else:
             # A copy, not a link: trainers overwrite files in place, which would change a hard link's content.
             for name, sha in fetched.items():

@@ -90,7 +90,9 @@ def test_a_deleted_chunk_is_extracted_again(tiny, clean, tmp_path):
     assert feature_bytes(store) == feature_bytes(_clean_store(clean))
 
 
-def test_a_truncated_scores_json_is_detected_by_run_history_and_report_and_recomputed(tiny, clean, tmp_path):
+def test_a_truncated_scores_json_is_named_by_history_and_report_and_recomputed_by_the_next_run(tiny, clean, tmp_path):
+    """history and report, readers, leave the damaged entry as it is and its row out, naming it and how to get the
+    row back; the next run that needs it finds it, removes it and scores again, to the clean results."""
     from typer.testing import CliRunner
 
     from dflash_eval.flows.cli import app
@@ -98,32 +100,28 @@ def test_a_truncated_scores_json_is_detected_by_run_history_and_report_and_recom
     store = tmp_path / "store"
     first = evaluate(tiny, store, step=0)
     evaluate(tiny, store)
-    scores_json = entry_dir(store, "scores", clean["keys"]["scores"]) / "scores.json"
+    key = clean["keys"]["scores"]
+    scores_json = entry_dir(store, "scores", key) / "scores.json"
+    scores_json.write_bytes(scores_json.read_bytes()[:100])
+    damaged = store_files(store)
 
-    def truncate():
-        scores_json.write_bytes(scores_json.read_bytes()[:100])
-
-    truncate()
-    with pytest.warns(CorruptEntryWarning, match=f"scores/{clean['keys']['scores']} is corrupt"):
-        result = CliRunner().invoke(app, ["report", "--store", str(store), "--out", str(tmp_path / "report")])
+    result = CliRunner().invoke(app, ["report", "--store", str(store), "--out", str(tmp_path / "report")])
     assert result.exit_code == 0, result.output
-    again = evaluate(tiny, store)
+    assert f"warning: scores/{key} left out: damaged (scores.json: 100 bytes" in result.output
+    assert "`dflash-eval verify --repair` removes the damage" in result.output
+    result = CliRunner().invoke(app, ["history", "--store", str(store)])
+    assert result.exit_code == 0 and f"warning: scores/{key} left out" in result.output, result.output
+    assert [line.split("│")[1].strip() for line in result.output.splitlines() if "step_" in line] == ["100"]
+    assert store_files(store) == damaged  # readers change nothing
+
+    with pytest.warns(CorruptEntryWarning, match=f"scores/{key} is corrupt"):
+        again = evaluate(tiny, store)  # found by the run itself
     assert again["stages"]["scores"] == "ran" and again["stages"]["drafts"] == "cached"
     assert again["tau_macro"] == clean["tau_macro"] and again["per_prompt"] == clean["per_prompt"]
-
-    truncate()
-    with pytest.warns(CorruptEntryWarning, match=f"scores/{clean['keys']['scores']} is corrupt"):
-        result = CliRunner().invoke(app, ["history", "--store", str(store)])
-    assert result.exit_code == 0, result.output
-    assert [line.split("│")[1].strip() for line in result.output.splitlines() if "step_" in line] == ["100"]
-    assert evaluate(tiny, store)["stages"]["scores"] == "ran"
-    truncate()
-    with pytest.warns(CorruptEntryWarning, match=f"scores/{clean['keys']['scores']} is corrupt"):
-        again = evaluate(tiny, store)  # found by the run itself
-    assert again["stages"]["scores"] == "ran" and again["tau_macro"] == clean["tau_macro"]
     result = CliRunner().invoke(app, ["history", "--store", str(store)])
     assert [line.split("│")[1].strip() for line in result.output.splitlines() if "step_" in line] == ["100", "400"]
     assert f"{first['tau_macro']:.3f}" in result.output and f"{clean['tau_macro']:.3f}" in result.output
+    assert "left out" not in result.output
 
 
 def test_later_stages_follow_a_refreshed_stage_whose_content_changed_and_stay_when_it_did_not(
@@ -248,3 +246,76 @@ def test_weights_are_hashed_before_drafting_only_when_the_fetch_was_a_cache_hit(
     again = evaluate(tiny, store, step=0)
     assert again["stages"]["fetch"] == "cached" and again["stages"]["drafts"] == "ran"
     assert hashed.count("model.safetensors") == 1  # before drafting
+
+
+def _flip(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def _cut(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:len(path.read_bytes()) // 2])
+
+
+DAMAGE = {"flipped": _flip, "cut": _cut, "deleted": Path.unlink}
+ARRAY = "features.zarr/layer_1/seq_3"
+# (stage, file in its entry, how it is damaged): every kind of file a store holds
+DAMAGE_KINDS = [
+    *((stage, "entry.json", how) for stage in ("fetch", "references", "features", "drafts", "scores")
+      for how in ("flipped", "cut")),
+    ("fetch", "checkpoint/model.safetensors", "flipped"), ("fetch", "checkpoint/model.safetensors", "cut"),
+    ("fetch", "checkpoint/config.json", "flipped"), ("fetch", "checkpoint/config.json", "deleted"),
+    ("references", "seq_2.json", "flipped"), ("references", "seq_2.json", "cut"), ("references", "seq_2.json", "deleted"),
+    ("features", f"{ARRAY}/c/0/0", "flipped"), ("features", f"{ARRAY}/c/0/0", "cut"),
+    ("features", f"{ARRAY}/c/0/0", "deleted"), ("features", f"{ARRAY}/zarr.json", "flipped"),
+    ("features", f"{ARRAY}/zarr.json", "deleted"),
+    ("drafts", "drafts.json", "flipped"), ("drafts", "drafts.json", "deleted"),
+    ("scores", "scores.json", "cut"), ("scores", "scores.json", "deleted"),
+]
+
+
+def store_files(store: Path) -> dict[str, str]:
+    """Every file of the store and its sha256, but the digest cache (a cache of this machine's hashing)."""
+    return {str(p.relative_to(store)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(store.rglob("*")) if p.is_file() and not p.name.startswith("file-digests.json")}
+
+
+@pytest.mark.parametrize(("stage", "path", "how"), DAMAGE_KINDS, ids=[f"{s}-{p.split('/')[-1]}-{h}"
+                                                                      for s, p, h in DAMAGE_KINDS])
+def test_verify_reports_each_damage_and_changes_nothing(clean, tmp_path, stage, path, how):
+    """verify without --repair is a check: it names the damaged entry, exits 1 and leaves every file as it was;
+    history, a reader, changes nothing either."""
+    from typer.testing import CliRunner
+
+    from dflash_eval.flows.cli import app
+
+    store = tmp_path / "store"
+    shutil.copytree(_clean_store(clean), store)
+    DAMAGE[how](entry_dir(store, stage, clean["keys"][stage]) / path)
+    damaged = store_files(store)
+    result = CliRunner().invoke(app, ["verify", "--store", str(store)])
+    assert result.exit_code == 1, result.output
+    named = f"{stage}/{clean['keys'][stage]}: "
+    assert named in result.output and "nothing was changed" in result.output, result.output
+    assert CliRunner().invoke(app, ["history", "--store", str(store)]).exit_code == 0
+    assert store_files(store) == damaged
+
+
+def test_repair_after_every_damage_at_once_gives_the_clean_results(tiny, clean, tmp_path):
+    from typer.testing import CliRunner
+
+    from dflash_eval.flows.cli import app
+
+    store = tmp_path / "store"
+    shutil.copytree(_clean_store(clean), store)
+    for stage, path, how in DAMAGE_KINDS:
+        target = entry_dir(store, stage, clean["keys"][stage]) / path
+        if target.exists():  # an entry.json cut after it was flipped, say: each file once
+            DAMAGE[how](target)
+    result = CliRunner().invoke(app, ["verify", "--store", str(store), "--repair"])
+    assert result.exit_code == 1 and "the next run recomputes exactly these" in result.output, result.output
+    assert CliRunner().invoke(app, ["verify", "--store", str(store)]).exit_code == 0
+    again = evaluate(tiny, store)
+    assert again["per_prompt"] == clean["per_prompt"] and again["tau_macro"] == clean["tau_macro"]
+    assert CliRunner().invoke(app, ["verify", "--store", str(store)]).exit_code == 0

@@ -9,6 +9,7 @@ stays greedy decoding, now with an eos in it).
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -552,8 +553,9 @@ def test_an_api_key_is_checked_as_sglang_does(keyed_server, local, tokenizer):
 
     ids = tokenizer.encode(PROMPTS[0])
     body = {"input_ids": ids, "sampling_params": greedy_params()}
-    with requests.Session() as session:  # the refused request's body was read: the kept-alive connection still works
-        assert session.post(url + "/generate", json=body, timeout=TIMEOUT).status_code == 401
+    with requests.Session() as session:  # a refused body is never read: its connection closes, the session opens another
+        refused = session.post(url + "/generate", json=body, timeout=TIMEOUT)
+        assert refused.status_code == 401 and refused.headers["Connection"] == "close"
         out = session.post(url + "/generate", json=body, headers={"Authorization": f"bearer {KEY}"}, timeout=TIMEOUT)
         assert out.status_code == 200 and out.json()["output_ids"] == expected(local, ids)
     assert keyed_server.requests_served == before + 1
@@ -689,3 +691,32 @@ def test_cli_refuses_an_empty_or_missing_api_key_file(target_dir, tmp_path):
                                           "--api-key-file", str(tmp_path / name)])
         assert result.exit_code == 2, result.output
         assert needle in result.output and name in result.output
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/detokenize", {"tokens": [10**15]}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/generate", {"input_ids": [10**15], "sampling_params": greedy_params()}, "input_ids"),
+    ("/v1/completions", {"prompt": [2**40], "max_tokens": 2}, "prompt"),
+    ("/v1/completions", {"prompt": "Hello", "max_tokens": 2, "logprobs": 10**9}, "logprobs"),
+], ids=["detokenize-huge-id", "detokenize-negative-id", "generate-huge-id", "completions-huge-id", "huge-logprobs"])
+def test_requests_out_of_range_are_400_naming_the_field(server, path, body, param):
+    response = post(server, path, body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_deeply_nested_json_is_a_400(server):
+    body = b"[" * 100_000 + b"]" * 100_000
+    response = requests.post(server.url + "/generate", data=body, headers={"Content-Type": "application/json"},
+                             timeout=TIMEOUT)
+    assert response.status_code == 400 and "nested too deeply" in response.json()["error"]["message"]
+
+
+def test_a_body_over_the_cap_is_a_413_before_it_is_read(server):
+    from dflash_core.reference.server import MAX_BODY_BYTES
+
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=TIMEOUT) as s:
+        s.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
+        answer = s.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 413") and "Connection: close" in answer, answer

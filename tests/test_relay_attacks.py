@@ -17,7 +17,7 @@ import pytest
 
 from dflash_eval.storage.relay.client import RelayClient
 from dflash_eval.storage.relay.server import RelayServer
-from tests.checkpoints import write_checkpoint
+from tests.checkpoints import settle, write_checkpoint
 from tests.test_relay import get
 
 INSIDE = b"inside-" * 300  # 2100 bytes: what a swapped link may serve
@@ -123,6 +123,26 @@ def test_links_inside_dir_are_still_served(root, tmp_path):
         assert status == 200 and manifest["path"] == "run1/step_1000"
         assert {f["name"]: f["size"] for f in manifest["files"]}["extra.bin"] == len(INSIDE)
         assert get(relay, "/v1/files/run1/run1-latest/extra.bin")[2] == INSIDE
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "model-00001-of-00001.safetensors"])
+def test_weights_linked_out_of_dir_are_a_404_not_a_500(root, tmp_path, weights):
+    """A checkpoint whose only weights file is a link to a file outside DIR (one file, or the shard of an
+    index) is no checkpoint here: listed nowhere, and its manifest and files are a clean 404."""
+    outside = write_checkpoint(tmp_path / "outside", {weights: 4096})
+    step = root / "run1" / "step_2000"
+    step.mkdir()
+    (step / "config.json").write_text((outside / "config.json").read_text())
+    (step / weights).symlink_to(outside / weights)
+    if weights != "model.safetensors":
+        (step / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": weights}}))
+    settle(step, 120)
+    with RelayServer(root, state_dir=tmp_path / "state", settle_seconds=0) as relay:
+        assert [c["path"] for c in RelayClient(relay.url).list_checkpoints()] == ["run1/step_1000"]
+        for path in ("/v1/manifest/run1/step_2000", f"/v1/files/run1/step_2000/{weights}",
+                     "/v1/files/run1/step_2000/config.json"):
+            status, _, body = get(relay, path)
+            assert status == 404 and b"Traceback" not in body, (path, status, body)
 
 
 def _closed_by_server(socks: list[socket.socket], within: float) -> list[socket.socket]:

@@ -276,6 +276,7 @@ def test_command_line_writes_the_report(scored_store, tmp_path):
 
 
 def test_command_line_on_an_empty_store_says_so(tmp_path):
+    (tmp_path / "empty").mkdir()
     result = CliRunner().invoke(app, ["report", "--store", str(tmp_path / "empty"), "--out", str(tmp_path / "out")])
     assert result.exit_code == 1
     assert "no scored checkpoint" in result.output

@@ -1,7 +1,7 @@
 """A real HTTP server for a local Hugging Face target's completions, greedy or sampled, speaking the wire
 formats of SGLang's native `/generate` and of the OpenAI-compatible `/v1/completions` (as vLLM and
 SGLang implement it). For tests (a real server on loopback, with injectable faults) and for users
-without a GPU serving stack. Plain stdlib `http.server`, one thread per connection.
+without a GPU serving stack. Plain stdlib `http.server`, bounded by `dflash_core.http_server` (MAX_* below).
 
 Every completion is `dflash_core.decoding.decode(target, prompt_ids, max_new_tokens, stops, sampling,
 generator)`, so it is bit-identical to a local run in the same dtype and device: greedy, or sampled with
@@ -45,7 +45,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
@@ -53,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ..decoding import decode
+from ..http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
 from ..sampling import Sampling
 from ..target import DTYPES, load_target, read_target_config
 from .request_fields import (
@@ -72,6 +72,11 @@ FAULTS = ("drop", "500", "stall")
 OPENAI_STYLES = ("vllm", "sglang")
 OPEN_PATHS = ("/health", "/metrics")  # SGLang: reachable without the API key (path prefixes)
 SERVER_VERSION = "dflash-eval-reference"
+# a client holds one connection per request in flight (--concurrency); idle ones close after REQUEST_SECONDS
+MAX_CONNECTIONS = 64
+REQUEST_SECONDS = 30.0
+MAX_BODY_BYTES = 8 << 20  # a prompt of a million tokens as ids is ~7 MB of JSON
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 class ReferenceServer:
     """Serves `target_dir`'s completions (greedy or sampled) over HTTP (see the module docstring).
@@ -85,12 +90,13 @@ class ReferenceServer:
     `/v1/completions` ignores `return_token_ids`, so clients must re-tokenise.
     `openai_style` ("vllm" or "sglang") is whose `/v1/completions` answer this server gives.
     `api_key`: every request but `/health*` and `/metrics*` must carry `Authorization: Bearer <key>`.
+    At most `max_connections` connections are served at once (in all and from one client); more get 503.
     """
 
     def __init__(self, target_dir, host: str = "127.0.0.1", port: int = 0, dtype: str = "float32",
                  served_model_name: str | None = None, tokenizer_dir=None, *, device: str = "cpu",
                  return_token_ids_supported: bool = True, stall_seconds: float = 30.0,
-                 openai_style: str = "vllm", api_key: str | None = None):
+                 openai_style: str = "vllm", api_key: str | None = None, max_connections: int = MAX_CONNECTIONS):
         from transformers import AutoTokenizer
 
         if dtype not in DTYPES:
@@ -120,7 +126,8 @@ class ReferenceServer:
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self._serving = False
-        self._httpd = _HTTPServer((host, port), _Handler)
+        self._httpd = _HTTPServer((host, port), _Handler, max_connections, max_connections, name="reference server",
+                                  logger=logger)
         self._httpd.reference = self
 
     # --- lifecycle
@@ -197,6 +204,15 @@ class ReferenceServer:
     def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         with self._tokenizer_lock:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def _in_vocabulary(self, ids: list[int], name: str) -> list[int]:
+        """`ids`, or 400 when one is not a token of the target's vocabulary."""
+        vocab_size = self.target.embed_weight.shape[0]
+        outside = [t for t in ids if not 0 <= t < vocab_size]
+        if outside:
+            raise RequestError(f"{name}: token ids {outside[:3]} are outside the vocabulary (0..{vocab_size - 1})",
+                               param=name)
+        return ids
 
     def _decode(self, ids, skip_special_tokens: bool = True) -> str:
         with self._tokenizer_lock:
@@ -304,7 +320,7 @@ class ReferenceServer:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(is_int(t) for t in tokens):
             raise RequestError("tokens must be a list of integer token ids", param="tokens")
-        text = self._decode(tokens, read_flag(body, "skip_special_tokens", True))
+        text = self._decode(self._in_vocabulary(tokens, "tokens"), read_flag(body, "skip_special_tokens", True))
         return {"text": text, "prompt": text}  # SGLang's key and vLLM's
 
     def generate(self, body: dict) -> dict:
@@ -329,7 +345,8 @@ class ReferenceServer:
         no_stop_trim = read_flag(params, "no_stop_trim", False)
         return_logprob = read_flag(body, "return_logprob", False)
         text_in_logprobs = read_flag(body, "return_text_in_logprobs", False)
-        prompt_ids = self._encode(text) if text is not None else read_token_ids(input_ids, "input_ids")
+        prompt_ids = (self._encode(text) if text is not None
+                      else self._in_vocabulary(read_token_ids(input_ids, "input_ids"), "input_ids"))
 
         start = time.monotonic()
         # SGLang checks eos and stop_token_ids only when not ignore_eos.
@@ -376,7 +393,7 @@ class ReferenceServer:
                 raise RequestError("prompt must not be empty", param="prompt")
             prompt_ids = self._encode(prompt, read_flag(body, "add_special_tokens", True))
         elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
-            prompt_ids = list(prompt)
+            prompt_ids = self._in_vocabulary(list(prompt), "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
             raise RequestError("batch requests are not supported by this reference server: send one prompt per request",
                                param="prompt")
@@ -391,8 +408,8 @@ class ReferenceServer:
         return_ids = read_flag(body, "return_token_ids", False) and self.return_token_ids_supported
         as_token_ids = read_flag(body, "return_tokens_as_token_ids", False)
         top = body.get("logprobs")
-        if top is not None and (not is_int(top) or top < 0):
-            raise RequestError(f"logprobs must be a non-negative integer, got {top!r}", param="logprobs")
+        if top is not None and (not is_int(top) or not 0 <= top <= MAX_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {top!r}", param="logprobs")
 
         sglang = self.openai_style == "sglang"
         if sglang:  # as its /generate: ignore_eos drops stop_token_ids too; the length is checked first
@@ -447,16 +464,15 @@ class ReferenceServer:
                 "top_logprobs": top_logprobs}
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
+class _HTTPServer(BoundedHTTPServer):
     reference: ReferenceServer
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive; every answer carries a Content-Length
+class _Handler(DeadlineRequestHandler):
+    # keep-alive; every answer carries a Content-Length. An idle connection is closed after REQUEST_SECONDS.
     server_version = SERVER_VERSION
-    timeout = 120  # idle keep-alive connections are closed after this
+    request_timeout = REQUEST_SECONDS
+    max_body_bytes = MAX_BODY_BYTES
 
     GET_ROUTES: ClassVar[dict[str, Callable[[ReferenceServer], dict] | None]] = {
         "/health": None, "/health_generate": None,
@@ -485,6 +501,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(status)
             if body is not None:
                 self.send_header("Content-Type", "application/json")
+            if self.close_connection:  # a body left unread: the client must not send another request here
+                self.send_header("Connection", "close")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -498,10 +516,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _path(self) -> str:
         return self.path.split("?", 1)[0]
 
-    def _refuse_unauthorized(self, path: str) -> bool:
-        """Answer 401 as SGLang does (True) when the request lacks the server's API key."""
+    def _refuse_unauthorized(self, path: str, body_unread: bool = False) -> bool:
+        """Answer 401 as SGLang does (True) without the server's API key; a body left unread closes the connection."""
         if self.reference._authorized(path, self.headers.get("Authorization")):
             return False
+        if body_unread:
+            self.close_connection = True
         self._send(401, {"error": "Unauthorized"})
         return True
 
@@ -519,16 +539,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         path = self._path()
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
-        if length < 0:
-            self.close_connection = True
-            return self._error(RequestError("bad Content-Length"))
-        raw = self.rfile.read(length) if length else b""  # read before any answer: the connection is kept alive
-        if self._refuse_unauthorized(path):
+        # who asks first: an unauthorized body is never read (the connection closes instead)
+        if self._refuse_unauthorized(path, body_unread=True):
             return
+        try:
+            raw = self.read_body()
+        except ErrorResponse as e:
+            return self._error(RequestError(e.message, status=e.status,
+                                            type_="RequestTooLarge" if e.status == 413 else "BadRequestError"))
         if path not in self.POST_ROUTES:
             status, type_ = (405, "MethodNotAllowed") if path in self.GET_ROUTES else (404, "NotFoundError")
             return self._error(RequestError(f"{'Method Not Allowed' if status == 405 else 'Not Found'}: {path}",
@@ -549,6 +567,8 @@ class _Handler(BaseHTTPRequestHandler):
                 body = json.loads(raw)
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise RequestError(f"request body is not valid JSON: {e}") from None
+            except RecursionError:
+                raise RequestError("request body is nested too deeply") from None
             if not isinstance(body, dict):
                 raise RequestError("request body must be a JSON object")
             self._send(200, self.POST_ROUTES[path](self.reference, body))

@@ -29,8 +29,9 @@ def start_local_server(wait: bool = True) -> None:
     """Start Prefect's temporary local server for this command's flows (flows/local_server.py), unless
     PREFECT_API_URL names a server: with `wait`, until it answers, or one line saying why it did not start and
     what to do (exit 2); without, only its process (a later call waits), so that it starts while this command
-    does other work."""
+    does other work. A PREFECT_API_URL that names no server answering is that one line too."""
     if not local_server_needed():
+        _check_api_answers()
         return
     from rich.console import Console
 
@@ -48,6 +49,21 @@ def start_local_server(wait: bool = True) -> None:
         fail(str(e))
 
 
+def _check_api_answers() -> None:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        return
+    import requests
+
+    try:  # any answer will do (Prefect Cloud may want a key for /health): only a server not there is refused
+        requests.get(f"{url.rstrip('/')}/health", timeout=10)
+    except (requests.ConnectionError, requests.Timeout) as e:
+        fail(f"PREFECT_API_URL={url}: no Prefect server answers there ({type(e).__name__}). Start one (prefect "
+             "server start) or unset PREFECT_API_URL: a command by hand then starts a temporary one itself.")
+
+
 def open_store(store: str | None):
     """The store `--store` names (a folder or s3://BUCKET/PREFIX), or one line saying why not (exit 2)."""
     from dflash_eval.storage import Store
@@ -56,6 +72,17 @@ def open_store(store: str | None):
         return Store(store)
     except ValueError as e:
         fail(f"--store: {e}")
+
+
+def open_existing_store(store: str | None):
+    """open_store, for commands that only read a store: a local folder that does not exist, or is not a folder,
+    is one line saying so (exit 2) instead of an empty store (a mistyped --store must not read as "all clean")."""
+    opened = open_store(store)
+    if opened.remote is None and not opened.root.is_dir():
+        what = "is not a folder" if opened.root.exists() else "does not exist"
+        fail(f"--store {opened.location} {what}: no store there. Give the folder (or s3://BUCKET/PREFIX) your "
+             "evaluations write to (default $DFLASH_STORE, else ./.dflash-store).")
+    return opened
 
 
 def configure_threads(threads: int | None) -> None:

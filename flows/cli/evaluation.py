@@ -37,21 +37,28 @@ def evaluate(parameters: dict, out: Path | None = None) -> dict:
     from dflash_core.reference.backends import BackendError
     from dflash_eval.flows.checks import InputError, check_evaluation, check_out
     from dflash_eval.flows.evaluate import evaluate_checkpoint, evaluation_flow
+    from dflash_eval.storage.object_storage import ObjectStorageError
+    from dflash_eval.storage.relay.client import RelayError
+    from dflash_eval.tasks.drafts import CheckpointDamaged
     from dflash_eval.tasks.fetch import CheckpointError
 
+    # errors of the inputs, or of a server or store that failed mid-run, each said in one line (Prefect's console
+    # tracebacks of them are left out; the run logs keep them): CheckpointError: fetch refused what it got;
+    # RelayError: the relay went away mid-download (a rerun resumes); CheckpointDamaged: weights changed in the
+    # store (a rerun fetches them again); BackendError: a reference server failed, refused or changed;
+    # ObjectStorageError: the store's server went away or refused us
+    explained = (InputError, DrafterError, CheckpointError, RelayError, CheckpointDamaged, BackendError,
+                 ObjectStorageError)
     try:
         check_out(out)
         bound = inspect.signature(evaluate_checkpoint.fn).bind(**parameters)
         bound.apply_defaults()
         checked = check_evaluation(bound.arguments)
         start_local_server()  # after the checks: bad input costs no server start-up
-        # errors handled below get one line, so Prefect's console tracebacks of them are left out
-        explained = (InputError, DrafterError, CheckpointError, BackendError)
         with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
                 _heartbeats_unless_asked():
             return evaluation_flow(checked)(**parameters)
-    # CheckpointError: fetch refused what it got; BackendError: a reference server failed, refused or changed
-    except (InputError, DrafterError, CheckpointError, BackendError) as e:
+    except explained as e:
         fail(str(e))
     except OSError as e:
         if not is_storage_full(e):
@@ -215,7 +222,8 @@ def stage(
 @app.command(epilog=example("dflash-eval demo --store .dflash-store --out demo-results"))
 def demo(
     store: StoreRoot = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Write each step's results JSON into this folder.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write each step's results JSON into this folder (created "
+                                             "if need be).")] = None,
     threads: Threads = None,
 ):
     """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, get_type_hints
 
 import typer
+from typer._click.exceptions import BadParameter, UsageError  # typer's own click
 from typer.core import TyperGroup
 
 from dflash_core.choices import AUTO_DTYPE, DEFAULT_REPLAY_GROUP, DTYPE_NAMES, SLIDING_SEMANTICS, STAGE_DTYPE_NAMES
@@ -40,19 +41,25 @@ class Arch(StrEnum):
 
 
 class OneLineChoiceErrors(TyperGroup):
-    """The root command group: a value outside an option's (or argument's) choices is refused with one line,
-    `error: --dtype must be one of auto, float32, bfloat16`, and exit code 2, as the input checks refuse
-    everything else (flows/checks.py), instead of typer's usage box."""
+    """The root command group: a mistake on the command line (a value outside an option's choices or range, an
+    unknown or missing option) is refused with one line and exit code 2, as the input checks refuse everything
+    else (flows/checks.py), instead of typer's usage box: `error: --dtype must be one of auto, float32, bfloat16`,
+    `error: Invalid value for '--concurrency': Input should be greater than or equal to 1`."""
 
     def invoke(self, ctx: typer.Context):
         try:
             return super().invoke(ctx)
-        except typer.BadParameter as e:
-            choices = getattr(getattr(e.param, "type_descriptor", None), "choices", None)
-            if not choices:
-                raise
-            name = e.param.opts[0] if e.param.param_type_name == "option" else e.param.metavar or e.param.name
-            typer.secho(f"error: {name} must be one of {', '.join(c.value for c in choices)}", err=True, fg="red")
+        except UsageError as e:
+            param = getattr(e, "param", None)
+            choices = getattr(getattr(param, "type_descriptor", None), "choices", None)
+            if choices:
+                name = param.opts[0] if param.param_type_name == "option" else param.metavar or param.name
+                line = f"{name} must be one of {', '.join(c.value for c in choices)}"
+            else:
+                line = " ".join(e.format_message().split())
+                if e.ctx is not None and not isinstance(e, BadParameter):
+                    line += f" (see {e.ctx.command_path} --help)"
+            typer.secho(f"error: {line}", err=True, fg="red")
             raise typer.Exit(2) from None
 
 
@@ -105,7 +112,7 @@ Reference = Annotated[str, typer.Option("--reference", help="Greedy references f
 Lookahead = Annotated[bool, typer.Option("--lookahead/--no-lookahead", help="Keep B-1 greedy tokens past each "
                                          "completion so the last step is scored against a whole block (default: "
                                          "clipped, as online decoding).")]
-Concurrency = Annotated[int, typer.Option("--concurrency", help="Requests in flight to a reference server.")]
+Concurrency = Annotated[int, typer.Option("--concurrency", min=1, help="Requests in flight to a reference server.")]
 Temperature = Annotated[float, typer.Option("--temperature", help="Sampling temperature the target is served at: 0 "
                                             "(greedy), or above 0 (sampled references, --samples per prompt).")]
 TopK = Annotated[int, typer.Option("--top-k", help="Keep the K most likely tokens (0: off); applied after the "
@@ -134,11 +141,13 @@ DrafterConfig = Annotated[str | None, typer.Option(
 Include = Annotated[list[str] | None, typer.Option(
     "--include", help="Also fetch checkpoint files matching this pattern (repeatable); config, weights and "
     "trainer_state.json always travel, optimizer state never unless named.")]
-CheckpointWait = Annotated[float, typer.Option("--checkpoint-wait", help="Seconds to wait for a checkpoint that is not "
-                                               "there yet or still being written, before failing.")]
-SettleSeconds = Annotated[float, typer.Option("--settle-seconds", envvar="DFLASH_SETTLE_SECONDS", help="A checkpoint "
-                                              "folder counts as finished once none of its files changed for this "
-                                              "long.")]
+CheckpointWait = Annotated[float, typer.Option(
+    "--checkpoint-wait", min=0, help="Seconds to wait for a checkpoint that is not "
+    "there yet or still being written, before failing.")]
+SettleSeconds = Annotated[float, typer.Option(
+    "--settle-seconds", min=0, envvar="DFLASH_SETTLE_SECONDS", help="A checkpoint "
+    "folder counts as finished once none of its files changed for this "
+    "long.")]
 Threads = Annotated[int | None, typer.Option(
     "--threads", min=1, help="CPU threads torch computes with in this process (default: $OMP_NUM_THREADS, else this "
     "machine's cores shared by the runs by hand computing on it at the time; ops of small models take fewer, where "
@@ -150,7 +159,8 @@ DaskAddress = Annotated[str | None, typer.Option(
     "--dask", envvar="DFLASH_DASK_ADDRESS", metavar="ADDRESS", help="Compute the features and drafts stages on the "
     "workers of the Dask scheduler at ADDRESS (tcp://HOST:PORT), shard by shard; the workers need this package, "
     "the store and the target at the same path (tasks/cluster.py). Default: this process.")]
-ResultsOut = Annotated[Path | None, typer.Option("--out", help="Write the results JSON here.")]
+ResultsOut = Annotated[Path | None, typer.Option("--out", help="Write the results JSON here (its folder is created if need be; checked "
+                                                 "before any work).")]
 
 
 class OptionGroup:

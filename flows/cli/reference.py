@@ -14,7 +14,8 @@ app = typer.Typer()
 def serve_reference(
     target: Target,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", help="Port to listen on (0: any free port).")] = 30000,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="Port to listen on (0: any free "
+                                      "port).")] = 30000,
     dtype: Annotated[ServedDtype, typer.Option("--dtype", help="auto (the checkpoint's own; float16 serves in "
                                                "float32, as evaluations compute), float32, bfloat16 or float16: the "
                                                "target's compute dtype.")] = ServedDtype.auto,

@@ -22,22 +22,27 @@ def relay_serve(
     token_file: Annotated[str | None, typer.Option("--token-file", help="File holding the bearer token clients must "
                                                    "send.")] = None,
     host: Annotated[str, typer.Option("--host")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port")] = 8700,
+    port: Annotated[int, typer.Option("--port", min=0, max=65535)] = 8700,
     state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Digest cache and pulled-through files "
                                                    "(default ~/.cache/dflash-eval/relay).")] = None,
-    settle_seconds: Annotated[float, typer.Option("--settle-seconds", help="A checkpoint is listed once none of its "
-                                                  "files changed for this long (trainers write no completion "
-                                                  "marker).")] = 30,
-    max_rate_mb: Annotated[float | None, typer.Option("--max-rate-mb", help="Cap on MB/s sent over all downloads "
-                                                      "together (leave bandwidth to a trainer on the same link); "
-                                                      "default no cap.")] = None,
-    max_connections: Annotated[int, typer.Option("--max-connections", help="Connections served at once; more get "
-                                                 "503 + Retry-After (one thread each, so this bounds the "
-                                                 "threads).")] = 128,
-    max_connections_per_client: Annotated[int, typer.Option("--max-connections-per-client", help="Connections served "
-                                                            "at once from one address (IPv6: one /64).")] = 32,
-    request_timeout: Annotated[float, typer.Option("--request-timeout", help="Seconds a request may take to arrive "
-                                                   "whole, and an idle keep-alive connection stays open.")] = 30,
+    settle_seconds: Annotated[float, typer.Option(
+        "--settle-seconds", min=0, help="A checkpoint is listed once none of its "
+        "files changed for this long (trainers write no completion "
+        "marker).")] = 30,
+    max_rate_mb: Annotated[float | None, typer.Option(
+        "--max-rate-mb", min=0.001, help="Cap on MB/s sent over all downloads "
+        "together (leave bandwidth to a trainer on the same link); "
+        "default no cap.")] = None,
+    max_connections: Annotated[int, typer.Option(
+        "--max-connections", min=1, help="Connections served at once; more get "
+        "503 + Retry-After (one thread each, so this bounds the "
+        "threads).")] = 128,
+    max_connections_per_client: Annotated[int, typer.Option(
+        "--max-connections-per-client", min=1, help="Connections served "
+        "at once from one address (IPv6: one /64).")] = 32,
+    request_timeout: Annotated[float, typer.Option(
+        "--request-timeout", min=0.001, help="Seconds a request may take to arrive "
+        "whole, and an idle keep-alive connection stays open.")] = 30,
 ):
     """Serve the checkpoints under ROOT over HTTP: Hugging Face folders (config.json + safetensors) and
     SpecForge saves, at any depth; only the files evaluation needs are hashed and sent.
@@ -56,10 +61,13 @@ def relay_serve(
     token = token_from_file(token_file, "--token-file")
     upstream_token = token_from_file(upstream_token_file, "--upstream-token-file")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    relay = RelayServer(root, host=host, port=port, token=token, upstream=upstream, upstream_token=upstream_token,
-                        state_dir=state_dir or DEFAULT_STATE_DIR, settle_seconds=settle_seconds,
-                        max_rate=max_rate_mb * 1e6 if max_rate_mb else None, max_connections=max_connections,
-                        max_connections_per_client=max_connections_per_client, request_timeout=request_timeout)
+    try:
+        relay = RelayServer(root, host=host, port=port, token=token, upstream=upstream, upstream_token=upstream_token,
+                            state_dir=state_dir or DEFAULT_STATE_DIR, settle_seconds=settle_seconds,
+                            max_rate=max_rate_mb * 1e6 if max_rate_mb else None, max_connections=max_connections,
+                            max_connections_per_client=max_connections_per_client, request_timeout=request_timeout)
+    except OSError as e:  # the port taken, the address not this machine's, the state folder not writable
+        fail(f"the relay cannot start on {host}:{port}: {e.strerror or e}")
     typer.echo(f"relay listening on {relay.url}")
     try:
         relay.serve_forever()

@@ -37,8 +37,9 @@ def serve(
                                                 "UI.")] = True,
     report_host: Annotated[str, typer.Option("--report-host", help="Address the report server listens on (0.0.0.0: "
                                              "every interface; the links then name this machine).")] = DEFAULT_HOST,
-    report_port: Annotated[int, typer.Option("--report-port", min=0, help="Port of the report server (0: any free "
-                                             "one).")] = DEFAULT_PORT,
+    report_port: Annotated[int, typer.Option(
+        "--report-port", min=0, max=65535, help="Port of the report server (0: any free "
+        "one).")] = DEFAULT_PORT,
 ):
     """Serve the deployments on this machine without a work pool (Prefect's runner), until interrupted:
     evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
@@ -94,7 +95,8 @@ def _serve_report_to_runs(folder: Path, host: str, port: int) -> ReportServer:
 def watch(
     relay: Annotated[str, typer.Option("--relay", help="The relay to look at (http://HOST:PORT).")],
     inputs: Inputs, relay_token_file: RelayTokenFile = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Write what was started (JSON) here.")] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Write what was started (JSON) here (its folder is "
+                                             "created if need be).")] = None,
 ):
     """Look at a relay once: start the evaluate-checkpoint deployment for each checkpoint not scored
     yet, oldest step first (what the watch-relay deployment does on its schedule). Needs a Prefect

@@ -8,7 +8,7 @@ import typer
 
 from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT
 
-from .common import bind_report_server, open_store
+from .common import bind_report_server, fail, open_existing_store
 from .options import StepCost, StoreRoot, example
 
 app = typer.Typer()
@@ -32,9 +32,13 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     from dflash_eval.flows.history import history
     from dflash_eval.flows.training_side import training_sides
 
-    groups = history(open_store(store))
+    opened = open_existing_store(store)
+    problems: list[str] = []
+    groups = history(opened, problems)
+    for problem in problems:
+        typer.echo(f"warning: {problem}", err=True)
     if not groups:
-        typer.echo(f"no scored checkpoint in {open_store(store).location}")
+        typer.echo(f"no scored checkpoint in {opened.location}")
         return
     console = Console(width=160)
     for group in groups:
@@ -83,7 +87,7 @@ def report_command(
     serve: Annotated[bool, typer.Option("--serve", help="Then serve the folder over HTTP until Ctrl+C.")] = False,
     host: Annotated[str, typer.Option("--host", help="With --serve: address to listen on (0.0.0.0: every "
                                       "interface).")] = DEFAULT_HOST,
-    port: Annotated[int, typer.Option("--port", min=0, help="With --serve: port to listen on (0: any free "
+    port: Annotated[int, typer.Option("--port", min=0, max=65535, help="With --serve: port to listen on (0: any free "
                                       "one).")] = DEFAULT_PORT,
     step_cost: StepCost = None,
     training_log: TrainingLogForRelay = None,
@@ -95,7 +99,7 @@ def report_command(
     With --serve and no --out it writes <store>/report and serves it:
     `dflash-eval report --serve --host 0.0.0.0 --port 8765`.
     """
-    from dflash_eval.flows.checks import InputError, read_step_costs
+    from dflash_eval.flows.checks import InputError, read_step_costs, writable_problem
     from dflash_eval.flows.history import history
     from dflash_eval.flows.report import NothingToReport, write_report
 
@@ -106,11 +110,16 @@ def report_command(
     if out is None and not serve:
         raise typer.BadParameter("give the folder to write the report into (or --serve: <store>/report)",
                                  param_hint="--out")
-    out = open_store(store).root / "report" if out is None else out
+    opened = open_existing_store(store)
+    out = opened.root / "report" if out is None else out
+    if problem := writable_problem(out, folder=True):
+        fail(f"--out: {problem}")
     server = bind_report_server(out, host, port, "--port") if serve else None  # a taken port fails before any work
     try:
-        opened = open_store(store)
-        groups = history(opened)
+        problems: list[str] = []
+        groups = history(opened, problems)
+        for problem in problems:
+            typer.echo(f"warning: {problem}", err=True)
         logs = {run: folder for group in groups for run, folder in relay_logs(group, training_log).items()}
         html_path = write_report(opened, out, last=last, groups=groups, step_costs=step_costs, training_logs=logs)
     except NothingToReport as e:
@@ -134,21 +143,26 @@ def verify_command(
 ):
     """Check every entry of the store: its entry.json, the sha256 of every file and of every feature array,
     chunk files, JSON that parses, and whether it was built on content that has changed since (stale).
-    Prints each problem as `stage/key: what: why`; exits 1 if there is any, 0 if the store is clean.
-    Reads every byte of the store (features included)."""
+    Prints each problem as `stage/key: what: why`; exits 1 if there is any, 0 if the store is clean. Without
+    --repair it changes nothing. Reads every byte of the store (features included)."""
     from dflash_eval.storage.integrity import verify_store
 
-    report = verify_store(open_store(store), repair=repair)
+    opened = open_existing_store(store)
+    report = verify_store(opened, repair=repair)
     for problem in report.problems:
         typer.echo(str(problem))
     for name in report.incomplete:
-        typer.echo(f"incomplete {name}: no entry.json (an interrupted run; the next run resumes it)")
-    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {open_store(store).location}: "
-               f"{len(report.problems)} problems")
+        typer.echo(f"incomplete {name}: no entry.json (a run was interrupted, or removed a damaged entry's marker "
+                   "to recompute it; the next run that needs it resumes it)")
+    typer.echo(f"checked {report.entries} entries and {report.arrays} feature arrays in {opened.location}: "
+               f"{len(report.problems)} problem{'' if len(report.problems) == 1 else 's'}")
     if repair and report.repaired:
         typer.echo(f"repaired: removed {len(report.repaired)} damaged or stale items; the next run recomputes "
                    "exactly these")
     for name in report.busy:
         typer.echo(f"not repaired {name}: another run is writing it; verify again when it is done")
+    if report.problems and not repair:
+        typer.echo("nothing was changed; `dflash-eval verify --repair` removes what is damaged or stale, so that the "
+                   "next run recomputes exactly that")
     if report.problems:
         raise typer.Exit(1)

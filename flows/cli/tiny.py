@@ -7,7 +7,7 @@ from typing import Annotated, Self
 
 import typer
 
-from .common import configure_threads
+from .common import configure_threads, fail
 from .options import Arch, Threads, example
 
 app = typer.Typer(help="The tiny trained target and drafter run (demo, tests, smoke tests).", no_args_is_help=True)
@@ -61,7 +61,10 @@ def tiny_build(
 ):
     """Train a tiny target and a DFlash drafter run into OUT, and print tau per saved step."""
     from dflash_core.tiny.build import TinyBuildSettings, build_tiny
+    from dflash_eval.flows.checks import writable_problem
 
+    if problem := writable_problem(out, folder=True):
+        fail(f"--out: {problem}")
     configure_threads(threads)
     settings = TinyBuildSettings(arch=arch.value, target_steps=target_steps)
     training = settings.drafter_training

@@ -7,8 +7,8 @@ guarantees against hostile clients and a changing folder: docs/relay.md, "Protoc
 
 Here: `RelayServer` (which checkpoint, manifest or file a request gets, from the folder or the
 upstream) and its request handler. Beside it: `local_checkpoints` (the checkpoints of the folder),
-`served_files` (opening files only inside the served folder, ranges), `http_server` (the bounded
-threading HTTP server), `pull_through` (files pulled from an upstream relay into the cache).
+`served_files` (opening files only inside the served folder, ranges), `dflash_core.http_server` (the
+bounded threading HTTP server), `pull_through` (files pulled from an upstream relay into the cache).
 
 The relay imports no Prefect, and of dflash_core only `dflash_core.checkpoint_files` (files alone, no torch).
 """
@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import Any, BinaryIO, Self
 from urllib.parse import parse_qs
 
+from dflash_core.http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
+
 from ..hashing import DigestCache
 from ..records import read_json, write_json_atomic
 from .client import RelayClient, RelayError, validate_manifest
-from .http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
 from .local_checkpoints import LocalCheckpoints
 from .pull_through import UpstreamPull
 from .served_files import (
@@ -348,6 +349,12 @@ class RelayServer:
 
             def do_HEAD(self) -> None:
                 self.do_GET()
+
+            def _refuse_method(self) -> None:
+                self.close_connection = True  # its body is never read
+                self._json(405, {"error": "read-only: GET and HEAD only"}, {"Allow": "GET, HEAD", "Connection": "close"})
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _refuse_method
 
             def do_GET(self) -> None:
                 try:

@@ -7,9 +7,11 @@
 - `DeadlineRequestHandler`: a request's line and headers must all arrive within `request_timeout`
   seconds of the connection being ready for it (just opened, or idle after an answer: keep-alive),
   however slowly their bytes trickle; a send that makes no progress for `send_timeout` seconds ends
-  the connection.
+  the connection; `read_body` takes a body of at most `max_body_bytes`, also within `request_timeout`
+  (413 over the cap, before a byte of it is read: a handler checks who asks before it reads).
 
-Why the stdlib and not Starlette/uvicorn: docs/relay.md, Security. Knows nothing of what is served.
+Every server dflash-eval ships uses these: the relay, the reference server, the report server. Why the
+stdlib and not Starlette/uvicorn: docs/relay.md, Security. Knows nothing of what is served.
 """
 
 import io
@@ -67,6 +69,7 @@ class DeadlineRequestHandler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive: the deadline is armed again for each next request
     request_timeout: float = 30
     send_timeout: float = 60
+    max_body_bytes: int = 0  # the largest request body read_body takes
 
     def setup(self) -> None:
         super().setup()
@@ -86,6 +89,31 @@ class DeadlineRequestHandler(BaseHTTPRequestHandler):
         self._reader.deadline = None
         self.connection.settimeout(self.send_timeout)
         return ok
+
+    def read_body(self) -> bytes:
+        """The request's body: Content-Length bytes, at most `max_body_bytes`, arriving whole within
+        `request_timeout`. Raises ErrorResponse 400 (no usable length, a chunked body, one cut short) or 413
+        (over the cap); then the connection closes, as its unread bytes cannot be skipped."""
+        try:
+            length = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            length = -1
+        if length < 0 or self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise ErrorResponse(400, "the request needs a Content-Length (chunked bodies are not taken)")
+        if length > self.max_body_bytes:
+            self.close_connection = True
+            raise ErrorResponse(413, f"a request body of {length} bytes is over this server's limit of "
+                                     f"{self.max_body_bytes}")
+        self._reader.deadline = time.monotonic() + self.request_timeout
+        try:
+            body = self.rfile.read(length) if length else b""
+        finally:
+            self._reader.deadline = None
+        if len(body) < length:
+            self.close_connection = True
+            raise ErrorResponse(400, f"the request body ended after {len(body)} of its {length} bytes")
+        return body
 
 
 def client_key(host: str) -> str:

@@ -1,0 +1,132 @@
+"""Bad command lines and bad inputs, as an attacker or a careless user gives them: each gets one line naming
+what is wrong (and what to do), exit code 2, and nothing is written or computed. None needs a model or a server
+of ours, so these are fast; the flows' own refusals are in test_cli.py and test_fetch_checks.py."""
+
+import json
+import socket
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_eval.flows.cli import app
+
+RUN = ["run", "--target", "t", "--drafter", "d", "--prompts", "p"]
+
+
+def one_line(args, **env) -> str:
+    result = CliRunner().invoke(app, args, env=env or None)
+    assert result.exit_code == 2, (args, result.output, result.exception)
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["verify", "--store", "/nonexistent"], "/nonexistent does not exist: no store there"),
+    (["verify", "--store", "/etc/hostname"], "/etc/hostname is not a folder: no store there"),
+    (["history", "--store", "/missing"], "/missing does not exist: no store there"),
+    (["report", "--store", "/missing", "--out", "/tmp/r"], "/missing does not exist: no store there"),
+    (["report", "--serve", "--port", "99999"], "'--port': Input should be less than or equal to 65535"),
+    (["relay", "serve", "/tmp", "--port", "70000"], "'--port': Input should be less than or equal to 65535"),
+    (["relay", "serve", "/tmp", "--max-connections", "0"], "'--max-connections': Input should be greater"),
+    (["relay", "serve", "/tmp", "--max-rate-mb", "-1"], "'--max-rate-mb': Input should be greater"),
+    (["serve-reference", "--target", "t", "--port", "-1"], "'--port': Input should be greater"),
+    (["tiny", "build", "--out", "/proc/tinyx"], "--out: /proc/tinyx cannot be created: /proc is not writable"),
+    ([*RUN, "--concurrency", "0"], "'--concurrency': Input should be greater than or equal to 1"),
+    ([*RUN, "--concurrency", "-1"], "'--concurrency': Input should be greater than or equal to 1"),
+    ([*RUN, "--checkpoint-wait", "-1"], "'--checkpoint-wait': Input should be greater than or equal to 0"),
+    ([*RUN, "--settle-seconds", "-1"], "'--settle-seconds' (env var: 'DFLASH_SETTLE_SECONDS'): Input should be greater"),
+    ([*RUN, "--out", "/proc/r.json"], "--out: /proc/r.json cannot be created: /proc is not writable"),
+    ([*RUN, "--report-dir", "/proc/rep"], "--report-dir: /proc/rep cannot be created: /proc is not writable"),
+    ([*RUN, "--drafter-config", "/nonexistent.json"], "--drafter-config /nonexistent.json: no such file"),
+    ([*RUN, "--bogus"], "No such option: --bogus"),
+    (["run", "--target", "t"], "Missing option '--drafter'"),
+    (["nosuch"], "No such command 'nosuch'"),
+])
+def test_a_bad_command_line_gets_one_line_and_exit_2(args, says):
+    assert says in one_line(args)
+
+
+def test_a_report_of_a_store_into_a_folder_that_cannot_be_written(tmp_path):
+    (tmp_path / "store").mkdir()
+    assert "--out: /proc/rep cannot be created" in one_line(["report", "--store", str(tmp_path / "store"), "--out",
+                                                              "/proc/rep"])
+
+
+def test_a_relay_on_a_taken_port(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = one_line(["relay", "serve", str(tmp_path), "--port", str(port), "--state-dir", str(tmp_path / "s")])
+    assert f"the relay cannot start on 127.0.0.1:{port}" in line
+
+
+def test_a_prefect_api_url_where_no_server_answers(monkeypatch):
+    import typer
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from dflash_eval.flows.cli.common import start_local_server
+
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    with temporary_settings(updates={PREFECT_API_URL: f"http://127.0.0.1:{port}/api"}), \
+            pytest.raises(typer.Exit) as exited:
+        start_local_server()
+    assert exited.value.exit_code == 2
+
+
+def test_a_mistyped_local_drafter_fails_at_once_naming_the_folder_meant(tmp_path):
+    from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint
+
+    (tmp_path / "run1" / "step_100").mkdir(parents=True)
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match="did you mean step_100"):
+        await_checkpoint(str(tmp_path / "run1" / "stpe_100"), wait_seconds=300)
+    with pytest.raises(CheckpointError, match=r"nearest there: run1"):
+        await_checkpoint(str(tmp_path / "rnu1" / "step_100"), wait_seconds=300)
+    assert time.monotonic() - started < 10  # neither waited for --checkpoint-wait
+
+
+def test_a_drafter_given_as_the_target_is_named_as_one(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from dflash_core.token_head import find_text_weights
+
+    save_file({"fc.weight": torch.zeros(4, 8), "layers.0.mlp.up_proj.weight": torch.zeros(4, 4)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["DFlashDraftModel"], "dflash_config": {}}))
+    with pytest.raises(ValueError, match="looks like a DFlash drafter .* not a target"):
+        find_text_weights(tmp_path)
+
+
+def test_a_prompt_line_without_a_prompt_field_names_the_fields_it_has(tmp_path):
+    from dflash_core.prompts import PromptError, read_prompts
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "txt": "hello"}) + "\n")
+    with pytest.raises(PromptError, match="its fields: 'txt'"):
+        read_prompts(prompts, tokenizer=None)
+
+
+def test_a_plain_http_object_store_without_allow_http_says_so(monkeypatch):
+    from dflash_eval.storage import Store
+    from dflash_eval.storage.object_storage import ObjectStorageError
+
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    for name, value in (("AWS_ENDPOINT_URL", "http://127.0.0.1:9"), ("AWS_ACCESS_KEY_ID", "a"),
+                        ("AWS_SECRET_ACCESS_KEY", "b"), ("AWS_REGION", "us-east-1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ObjectStorageError, match="AWS_ALLOW_HTTP=true"):
+        Store("s3://bucket/prefix").keys("scores")
+
+
+def test_a_target_given_as_the_drafter_is_named_as_one(tmp_path):
+    from dflash_core.drafter_config import DrafterError, read_drafter_config
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 8}))
+    with pytest.raises(DrafterError, match="looks like a target model, not a DFlash drafter"):
+        read_drafter_config(tmp_path)
