@@ -59,6 +59,36 @@ def build_deployments(target: str, prompts: str, store: str | None = None, relay
     return deployments
 
 
+ORPHANED = ("the process serving this run stopped before it finished (killed, or its machine went down); what it "
+            "completed is in the store: run it again to resume")
+
+
+def crash_orphaned_runs(deployment_ids) -> list[str]:
+    """Mark Crashed the runs of these deployments still Running or Pending, saying why; one line for each. Called
+    as `serve` starts, before it runs anything: only a serve of these deployments runs them, so such a run belongs
+    to a serve that is gone (killed: it could not end its runs), and would otherwise show Running for ever."""
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterDeploymentId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    lines = []
+    with get_client(sync_client=True) as client:
+        running = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            deployment_id=FlowRunFilterDeploymentId(any_=list(deployment_ids)),
+            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))))
+        for run in running:
+            client.set_flow_run_state(run.id, Crashed(message=ORPHANED), force=True)
+            lines.append(f"flow run {run.name} ({run.id}) was left {run.state.name} by a serve that stopped: "
+                         "marked Crashed")
+    return lines
+
+
 def serve_deployments(poll_seconds: float = 0.25, **kwargs) -> None:
     """Register the deployments and run their flow runs from this process until interrupted.
 
@@ -71,8 +101,9 @@ def serve_deployments(poll_seconds: float = 0.25, **kwargs) -> None:
     start_flow_runs_from_forkserver()
     runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)
     deployments = build_deployments(**kwargs)
-    for flow, options in deployments:
-        runner.add_flow(flow, **options)
+    ids = [runner.add_flow(flow, **options) for flow, options in deployments]
+    for line in crash_orphaned_runs(ids):
+        print(line, flush=True)
     print(f"serving {', '.join(options['name'] for _, options in deployments)} (looking for runs every "
           f"{poll_seconds} s); Ctrl+C stops", flush=True)
     try:

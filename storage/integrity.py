@@ -78,7 +78,7 @@ class Problem:
 
     stage: str
     key: str
-    kind: str  # "damaged", "damaged array" or "stale"
+    kind: str  # "damaged", "damaged array", "stale" or "unreadable" (permissions: not repaired)
     what: str  # a path in the entry, an array (layer_i/seq_n), or an upstream label
     reason: str
     damage: Damage | None = None  # for "damaged": what Store.discard removes
@@ -151,6 +151,11 @@ def verify_store(store: Store, repair: bool = False) -> VerifyReport:
         try:
             problems, n_arrays = check_entry(store, stage, key)
         except EntryMissing:  # removed or begun again meanwhile
+            continue
+        except PermissionError as e:  # not damage: this user may not read it (nothing to repair either)
+            report.entries += 1
+            report.problems.append(Problem(stage, key, "unreadable", e.filename or f"{stage}/{key}",
+                                           "permission denied: verify as a user who can read the whole store"))
             continue
         report.entries += 1
         report.arrays += n_arrays

@@ -130,3 +130,78 @@ def test_a_target_given_as_the_drafter_is_named_as_one(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 8}))
     with pytest.raises(DrafterError, match="looks like a target model, not a DFlash drafter"):
         read_drafter_config(tmp_path)
+
+
+def _as_nobody(command: list[str]) -> tuple[int, str]:
+    """(exit code, output) of a command line run by an unprivileged user: a child forked from this process (its
+    imports already loaded) that drops to nobody's uid and gid before it runs the command. CI runs as root, and
+    root is never refused a permission."""
+    import multiprocessing
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("dropping to another user needs root")
+    CliRunner().invoke(app, command)  # load what the command imports while the files can still be read
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def run():
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+        result = CliRunner().invoke(app, command)
+        send.send((result.exit_code, result.output))
+
+    child = context.Process(target=run)
+    child.start()
+    try:
+        assert receive.poll(60), "the unprivileged command did not finish"
+        return receive.recv()
+    finally:
+        child.join(10)
+
+
+@pytest.fixture
+def open_folder():
+    """A folder every user can reach (pytest's own tmp_path is its owner's alone), removed afterwards."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(tempfile.mkdtemp(prefix="dflash-eval-permissions-"))
+    folder.chmod(0o755)  # readable by all, writable by its owner only
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_a_store_this_user_cannot_read_is_one_line(open_folder):
+    store = open_folder / "store"
+    (store / "scores").mkdir(parents=True)
+    store.chmod(0o700)
+    for command in (["verify", "--store", str(store)], ["history", "--store", str(store)]):
+        code, output = _as_nobody(command)
+        assert code == 2 and output.strip().splitlines() == [
+            f"error: --store {store} cannot be read by this user (permissions): run as its owner"], output
+
+
+def test_an_out_folder_this_user_cannot_write_is_refused_before_any_work(open_folder):
+    code, output = _as_nobody([*RUN, "--out", str(open_folder / "results.json")])
+    assert code == 2, output
+    assert f"--out: {open_folder / 'results.json'} cannot be created: {open_folder} is not writable" in output
+
+
+def test_an_entry_this_user_cannot_read_is_reported_not_a_crash(open_folder):
+    from dflash_eval.storage import Store, key_of
+
+    store = Store(open_folder / "store")
+    key = key_of({"test": "permissions"})
+    directory = store.begin("scores", key)
+    (directory / "scores.json").write_text('{"tau_macro": 3.0}')
+    store.commit("scores", key, {"tau_macro": 3.0})
+    (directory / "scores.json").chmod(0o600)
+    for path in (store.root, *store.root.rglob("*")):
+        if path.is_dir():
+            path.chmod(0o755)
+    code, output = _as_nobody(["verify", "--store", str(store.root)])
+    assert code == 1 and f"unreadable scores/{key}:" in output and "permission denied" in output, output
+    assert "nothing was changed" in output and (directory / "scores.json").is_file()

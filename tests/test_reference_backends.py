@@ -138,13 +138,15 @@ def serve_in_process(target_dir, port, *options) -> subprocess.Popen:
     raise RuntimeError(f"serve-reference exited with {process.wait()}")
 
 
-def test_a_server_killed_mid_run_loses_no_finished_reference(tiny, tmp_path, prefect_api_url):
+@pytest.mark.parametrize("backend", ["sglang+http://127.0.0.1:{port}", "openai+http://127.0.0.1:{port}/v1"],
+                         ids=["sglang", "openai"])
+def test_a_server_killed_mid_run_loses_no_finished_reference(tiny, tmp_path, prefect_api_url, backend):
     prompts = first_prompts(tiny, 12, tmp_path / "prompts.jsonl")
     store = tmp_path / "store"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    url = f"sglang+http://127.0.0.1:{port}"
+    url = backend.format(port=port)
     server = serve_in_process(tiny.target_dir, port)
     failure = []
     run = threading.Thread(target=lambda: failure.append(_raises(references, tiny, store, url, concurrency=2,

@@ -3,6 +3,7 @@ files, results files and the report server. Imports neither torch nor Prefect (e
 when called)."""
 
 import json
+import os
 from pathlib import Path
 from typing import NoReturn
 
@@ -82,6 +83,8 @@ def open_existing_store(store: str | None):
         what = "is not a folder" if opened.root.exists() else "does not exist"
         fail(f"--store {opened.location} {what}: no store there. Give the folder (or s3://BUCKET/PREFIX) your "
              "evaluations write to (default $DFLASH_STORE, else ./.dflash-store).")
+    if opened.remote is None and not os.access(opened.root, os.R_OK | os.X_OK):
+        fail(f"--store {opened.location} cannot be read by this user (permissions): run as its owner")
     return opened
 
 
