@@ -29,14 +29,10 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_eval.flows.history import history
     from dflash_eval.flows.training_side import training_sides
 
     opened = open_existing_store(store)
-    problems: list[str] = []
-    groups = history(opened, problems)
-    for problem in problems:
-        typer.echo(f"warning: {problem}", err=True)
+    groups = history_telling_what_is_left_out(opened)
     if not groups:
         typer.echo(f"no scored checkpoint in {opened.location}")
         return
@@ -65,6 +61,17 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
                 console.print(f"{flag.kind.upper()} (step {flag.step}): {flag.message}", markup=False)
             for problem in side.log.problems:
                 console.print(f"warning: {problem}", markup=False)
+
+
+def history_telling_what_is_left_out(store) -> list:
+    """The store's history; each damaged or stale row it leaves out is one warning line on stderr."""
+    from dflash_eval.flows.history import history
+
+    problems: list[str] = []
+    groups = history(store, problems)
+    for problem in problems:
+        typer.echo(f"warning: {problem}", err=True)
+    return groups
 
 
 def relay_logs(group, training_log: str | None) -> dict[str, str]:
@@ -100,7 +107,6 @@ def report_command(
     `dflash-eval report --serve --host 0.0.0.0 --port 8765`.
     """
     from dflash_eval.flows.checks import InputError, read_step_costs, writable_problem
-    from dflash_eval.flows.history import history
     from dflash_eval.flows.report import NothingToReport, write_report
 
     try:
@@ -116,10 +122,7 @@ def report_command(
         fail(f"--out: {problem}")
     server = bind_report_server(out, host, port, "--port") if serve else None  # a taken port fails before any work
     try:
-        problems: list[str] = []
-        groups = history(opened, problems)
-        for problem in problems:
-            typer.echo(f"warning: {problem}", err=True)
+        groups = history_telling_what_is_left_out(opened)
         logs = {run: folder for group in groups for run, folder in relay_logs(group, training_log).items()}
         html_path = write_report(opened, out, last=last, groups=groups, step_costs=step_costs, training_logs=logs)
     except NothingToReport as e:
