@@ -6,7 +6,6 @@ does the same). The digest cache is the one place where paths and mtimes
 appear, and only to avoid re-reading unchanged files: it never changes a key.
 """
 
-import fcntl
 import hashlib
 import json
 import math
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .file_lock import file_lock
 from .records import read_json, write_json_atomic
 
 CHUNK_BYTES = 1 << 20  # 1 MiB: large enough for full disk throughput, small enough to never matter in RAM
@@ -148,8 +148,7 @@ class DigestCache:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # The flock serializes read-merge-replace between processes so no one's entries are lost;
         # os.replace alone would only prevent corruption. A killed holder's flock is released by the OS.
-        with open(self.path.with_name(self.path.name + ".lock"), "a") as lock_file:
-            fcntl.flock(lock_file, fcntl.LOCK_EX)
+        with file_lock(self.path.with_name(self.path.name + ".lock")):
             on_disk = self._load(warn=False)  # warned about when this instance loaded it
             on_disk.update(new_entries)
             # Forget files that no longer exist, so the cache does not grow forever.

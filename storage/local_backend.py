@@ -1,16 +1,13 @@
 """A store in a local folder (storage.backend): the folder is the store itself, its markers files, its locks
-`fcntl.flock` on a lock file beside each entry."""
+lock files beside each entry (storage.file_lock)."""
 
-import errno
-import fcntl
 import os
-import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import IO
 
-from .backend import Fetched, Identity, LockTimeout
+from .backend import Fetched, Identity
+from .file_lock import file_lock
 from .marker import MARKER_NAME
 from .records import write_bytes_atomic
 
@@ -71,20 +68,10 @@ class LocalBackend:
     def delete(self, entry: str) -> None:
         self.unmark(entry)  # the folder itself is this machine's, which the Store removes
 
-    @contextmanager
-    def lock(self, entry: str, timeout: float | None) -> Iterator[None]:
-        # `fcntl.flock` on `<key>.lock` beside the entry: the OS releases it when the holder exits or is
-        # killed, so a crashed run never blocks the next one (a lock *file* would). The lock file is never
-        # deleted: deleting it while another process waits on it would let a third one lock a fresh file
-        # at the same time.
-        lock_path = self.root / f"{entry}.lock"
-        lock_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(lock_path, "a") as lock_file:
-            _flock_exclusive(lock_file, lock_path, timeout)
-            try:
-                yield
-            finally:
-                fcntl.flock(lock_file, fcntl.LOCK_UN)
+    def lock(self, entry: str, timeout: float | None) -> AbstractContextManager[None]:
+        # storage.file_lock: `<key>.lock` beside the entry, released by the OS if its holder is killed,
+        # deleted by the holder at the end
+        return file_lock(self.root / f"{entry}.lock", timeout)
 
     def in_place(self, entry: str, folder: str) -> Path:
         return self.root / entry / folder
@@ -99,22 +86,3 @@ def entry_folders(root: Path, stage: str | None = None) -> Iterator[tuple[str, s
             for directory in stage_dir.glob("??/*"):
                 if directory.is_dir():
                     yield stage_dir.name, directory.parent.name, directory.name, (directory / MARKER_NAME).is_file()
-
-
-def _flock_exclusive(lock_file: IO[str], lock_path: Path, timeout: float | None) -> None:
-    if timeout is None:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        return
-    deadline = time.monotonic() + timeout
-    delay = 0.005
-    while True:
-        try:
-            fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as e:
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-        if time.monotonic() >= deadline:
-            raise LockTimeout(f"could not lock {lock_path} within {timeout} s (another process holds it)")
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)

@@ -4,10 +4,10 @@ On-disk layout (root = `Store(root)`, default `$DFLASH_STORE`, else `./.dflash-s
 
     <root>/
       file-digests.json              DigestCache: (abs path, size, mtime_ns) -> sha256
-      file-digests.json.lock         flock serializing updates of the digest cache
+      file-digests.json.lock         flock serializing updates of the digest cache (deleted on release)
       <stage>/                       fetch, references, features, drafts, scores, ...
         <key[:2]>/                   two-level fan-out, as git and DVC do (no huge directories)
-          <key>.lock                 flock: one process computes an entry, others wait
+          <key>.lock                 flock: one process computes an entry, others wait (deleted on release)
           <key>/                     the entry: the stage's own files, e.g. features.zarr/,
             ...                      references.json, scores.json
             entry.json               the record, written LAST (atomically): the completion marker

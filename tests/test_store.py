@@ -2,6 +2,7 @@ import json
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from contextlib import contextmanager
 from datetime import UTC
@@ -428,6 +429,27 @@ def test_processes_that_need_an_entry_at_once_compute_it_once(any_store, tmp_pat
     outcomes = [json.loads(r.read_text()) for r in results]
     assert all(o["record"] == {"pid": int(pid)} for o in outcomes)
     assert sorted(o["computed"] for o in outcomes) == [False] * (n - 1) + [True]
+
+
+def test_the_lock_excludes_while_its_file_is_deleted_at_each_release(tmp_path):
+    # Every release deletes `<key>.lock`, so waiters keep finding a file that is gone or replaced: a lost
+    # update here means two holders at once. flock excludes between threads too (one open file each).
+    store, counter = Store(tmp_path / "store"), tmp_path / "counter"
+    counter.write_text("0")
+
+    def add_ones():
+        for _ in range(150):
+            with store.lock("fetch", KEY):
+                value = int(counter.read_text())
+                counter.write_text(str(value + 1))
+
+    threads = [threading.Thread(target=add_ones) for _ in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert int(counter.read_text()) == 6 * 150
+    assert list((tmp_path / "store").rglob("*.lock")) == []  # nothing is left once no one holds it
 
 
 @pytest.mark.slow  # starts processes or waits on purpose
