@@ -3,10 +3,14 @@
 Starts a Prefect server (`prefect server start` on a free port, a temporary PREFECT_HOME, analytics off,
 PREFECT_UI_API_URL pointing at that port: without it the UI's /ui-settings say
 http://127.0.0.1:4200/api and every page shows "Can't connect to Server API at http://127.0.0.1:4200/api"),
-evaluates each drafter step of the tiny trained Qwen3 run (dflash_core.tiny.build) with `dflash-eval run`,
-starts the report server (`dflash-eval report --serve`), then opens four pages in headless Chromium:
+evaluates each drafter step of the tiny trained Qwen3 run (dflash_core.tiny.build) with `dflash-eval run`, and
+its first step in two more series (half the new tokens in the same store; another store), checks through the
+API that no series mixes (the runs tagged `series:<key>` and the `<key>-history` artifact hold exactly the
+taus evaluated in that series), starts the report server (`dflash-eval report --serve`), then opens four pages in headless Chromium:
 
   runs       /runs                                     the runs list
+  runs-series /runs?tag=series:<key>                   the runs list filtered by the main series' tag: its
+                                                       runs only (no other series' tag may show)
   flow-run   /runs/flow-run/<id>?tab=Details           the newest flow run (the Details tab holds its state
                                                        message; the page opens on Logs)
   artifact   /artifacts/artifact/<id>                  the newest version of the `<series>-history` artifact
@@ -25,7 +29,8 @@ API says it must (the run's name and id, the artifact's id) and tau: the word "t
 characters by a number with two or more decimals ("tau 3.870", "tau macro 3.870").
 
 Prints one line per page (page, URL, screenshot, whether tau shows and the text found) and writes
-<out>/<page>.png and <out>/<page>.txt (the page's text). Exits 1 when a page lacks tau, 2 on an error.
+<out>/<page>.png and <out>/<page>.txt (the page's text). Exits 1 when a page lacks tau or a series mixes, 2 on
+an error.
 Needs Chromium (Debian: `apt-get install chromium`).
 
 Run: .venv/bin/python benchmarks/ui_screenshots.py [--out DIR] [--ui v1|v2] [--artifact history]
@@ -34,6 +39,7 @@ Run: .venv/bin/python benchmarks/ui_screenshots.py [--out DIR] [--ui v1|v2] [--a
 
 import argparse
 import html
+import json
 import os
 import re
 import shutil
@@ -42,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,17 +76,49 @@ def find_chromium() -> str:
     raise Failure("chromium not found: install it (Debian/Ubuntu: `apt-get install chromium`)")
 
 
-def evaluate(tiny, store: Path, env: dict, logs: Path) -> None:
-    for step in tiny.drafter_steps:
+@dataclass
+class Evaluated:
+    tau: str  # as the run's tau: tag writes it
+    series: str  # its series key (results["series"])
+
+
+def evaluate(tiny, steps: list[Path], store: Path, max_new_tokens: int, env: dict, logs: Path) -> list[Evaluated]:
+    """`dflash-eval run` of each step, with what each run's --out says."""
+    evaluated = []
+    for step in steps:
+        out = logs / f"run-{store.name}-{max_new_tokens}-{step.name}.json"
         cmd = [str(BIN / "dflash-eval"), "run", "--target", str(tiny.target_dir), "--drafter", str(step),
-               "--prompts", str(tiny.prompts_file), "--max-new-tokens", str(tiny.record["settings"]["max_new_tokens"]),
-               "--store", str(store)]
+               "--prompts", str(tiny.prompts_file), "--max-new-tokens", str(max_new_tokens), "--store", str(store),
+               "--out", str(out)]
         t = time.perf_counter()
         result = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        (logs / f"run-{step.name}.log").write_text(result.stdout)
+        out.with_suffix(".log").write_text(result.stdout)
         if result.returncode != 0:
             raise Failure(f"{' '.join(cmd)} failed ({result.returncode}):\n{result.stdout[-3000:]}")
-        print(f"evaluated {step.name} in {time.perf_counter() - t:.1f} s")
+        results = json.loads(out.read_text())
+        evaluated.append(Evaluated(f"{results['tau_macro']:.3f}", results["series"]["key"]))
+        print(f"evaluated {step.name} into {store.name} at {max_new_tokens} new tokens in "
+              f"{time.perf_counter() - t:.1f} s: series {results['series']['key']}")
+    return evaluated
+
+
+def check_series_apart(url: str, evaluated: list[Evaluated]) -> list[str]:
+    """What mixes: for each series, the runs the API lists under its `series:` tag must be exactly the runs
+    evaluated in it (their tau tags those runs' taus), and its history artifact must hold exactly its rows."""
+    problems = []
+    for key in sorted({e.series for e in evaluated}):
+        mine = sorted(e.tau for e in evaluated if e.series == key)
+        runs = api(url, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"series:{key}"]}}})
+        taus = sorted(t.removeprefix("tau:") for run in runs for t in run["tags"] if t.startswith("tau:"))
+        if taus != mine:
+            problems.append(f"the runs tagged series:{key} show taus {taus}; evaluated in it: {mine}")
+        history = api(url, "/artifacts/filter", {"artifacts": {"key": {"any_": [f"{key}-history"]}},
+                                                  "sort": "CREATED_DESC", "limit": 1})
+        rows = history[0]["data"] if history else None
+        rows = json.loads(rows) if isinstance(rows, str) else rows
+        if not rows or sorted(r["tau macro"] for r in rows) != mine:
+            problems.append(f"the newest {key}-history holds {rows}; evaluated in it: {mine}")
+    return problems
 
 
 def start_report_server(store: Path, port: int, env: dict, log: Path) -> subprocess.Popen:
@@ -107,6 +146,7 @@ class Page:
     name: str
     url: str
     must_show: list[str]  # text the rendered page holds once its data arrived
+    must_not_show: tuple[str, ...] = ()  # text that would mean series mixed on it
 
 
 @dataclass
@@ -174,8 +214,14 @@ def excerpt(seen: Seen, width: int = 400) -> str:
     return ("..." if start else "") + seen.text[start:start + width] + ("..." if len(seen.text) > start + width else "")
 
 
-def pages(url: str, ui_base: str, report_url: str, series: str, artifact_name: str) -> list[Page]:
-    """The pages to look at, with what each must show, from the API."""
+def listed(text: str) -> str:
+    """The runs list's rows: the page's text after "<N> runs" (before it, the filter's menus name every tag)."""
+    found = re.search(r"\b\d+ runs?\b", text)
+    return text[found.end():] if found else text
+
+
+def pages(url: str, ui_base: str, report_url: str, series: str, others: list[str], artifact_name: str) -> list[Page]:
+    """The pages to look at, with what each must show (and, filtered by a series, must not), from the API."""
     runs = api(url, "/flow_runs/filter", {"flow_runs": {"parent_task_run_id": {"is_null_": True},
                                                         "state": {"type": {"any_": ["COMPLETED"]}}},
                                           "sort": "START_TIME_DESC", "limit": 1})
@@ -189,7 +235,12 @@ def pages(url: str, ui_base: str, report_url: str, series: str, artifact_name: s
         keys = sorted({a["key"] for a in api(url, "/artifacts/filter", {"limit": 200}) if a.get("key")})
         raise Failure(f"no artifact with key {key!r}; the server has: {', '.join(keys) or 'none'}")
     artifact = found[0]
+    in_series = api(url, "/flow_runs/filter", {"flow_runs": {"tags": {"all_": [f"series:{series}"]}}})
     return [Page("runs", f"{ui_base}/runs", [run["name"]]),
+            # the runs list filtered by the series' tag, as a person filters it: only that series' runs and taus
+            Page("runs-series", f"{ui_base}/runs?tag={urllib.parse.quote(f'series:{series}')}",
+                 [f"{len(in_series)} runs", *sorted({r["name"] for r in in_series})],
+                 tuple(f"series:{other}" for other in others)),
             Page("flow-run", f"{ui_base}/runs/flow-run/{run['id']}?tab=Details", [run["name"], run["id"]]),
             Page(f"artifact-{artifact_name}", f"{ui_base}/artifacts/artifact/{artifact['id']}",
                  [key, artifact["id"]]),
@@ -207,10 +258,8 @@ def main() -> int:
     args = parser.parse_args()
 
     chromium = find_chromium()
-    from dflash_eval.tasks.progress import series_key
-
     tiny = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
-    series = series_key(str(tiny.target_dir), str(tiny.prompts_file))
+    max_new = tiny.record["settings"]["max_new_tokens"]
     args.out.mkdir(parents=True, exist_ok=True)
     started: list[subprocess.Popen] = []
     with tempfile.TemporaryDirectory(prefix="dflash-ui-screenshots-") as tmp:
@@ -229,12 +278,22 @@ def main() -> int:
             env = {**os.environ, "PREFECT_API_URL": url, "PREFECT_HOME": str(root / "prefect"),
                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DFLASH_REPORT_URL": f"http://127.0.0.1:{report_port}/"}
             store = root / "store"
-            evaluate(tiny, store, env, root)
+            # two more series beside the steps' own: other settings in the same store, and another store; their
+            # first step only, evaluated before the last step so the pages' newest run is the main series'
+            evaluated = evaluate(tiny, tiny.drafter_steps[:-1], store, max_new, env, root)
+            evaluated += evaluate(tiny, tiny.drafter_steps[:1], store, max_new // 2, env, root)
+            evaluated += evaluate(tiny, tiny.drafter_steps[:1], root / "other-store", max_new, env, root)
+            evaluated += evaluate(tiny, tiny.drafter_steps[-1:], store, max_new, env, root)
+            mixed = check_series_apart(url, evaluated)
             started.append(start_report_server(store, report_port, env, root / "report-server.log"))
             ui_base = f"http://127.0.0.1:{port}" + ("/v2" if args.ui == "v2" else "")
+            series = evaluated[-1].series
+            others = sorted({e.series for e in evaluated} - {series})
             seen = [look(chromium, root / "chromium", page, args.out)
-                    for page in pages(url, ui_base, f"http://127.0.0.1:{report_port}/report.html", series,
+                    for page in pages(url, ui_base, f"http://127.0.0.1:{report_port}/report.html", series, others,
                                       args.artifact)]
+            mixed += [f"{s.page.name} lists {shown!r}" for s in seen for shown in s.page.must_not_show
+                      if shown in listed(s.text)]
         except Failure as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -247,8 +306,12 @@ def main() -> int:
     missing = [s.page.name for s in seen if not s.tau]
     if missing:
         print(f"tau missing on: {', '.join(missing)}")
+    for problem in mixed:
+        print(f"series mixed: {problem}")
+    if missing or mixed:
         return 1
-    print("tau shows on every page")
+    print(f"tau shows on every page; {len({e.series for e in evaluated})} series, each with only its own runs "
+          "and rows")
     return 0
 
 

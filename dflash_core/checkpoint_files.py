@@ -345,3 +345,27 @@ def step_from_name(name: str) -> int | None:
     """The trailing number of a checkpoint's name, or None."""
     match = _TRAILING_NUMBER.search(name.rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # Org/Name, never a path like ./x/y
+_COMMIT = re.compile(r"[0-9a-f]{10,64}")
+
+
+def model_name(target_dir: str) -> str:
+    """How people call a target, for series titles and tags: the Hub id its config was saved under
+    (`_name_or_path`, e.g. Qwen/Qwen3-8B), else the one in a Hugging Face cache path
+    (.../models--Qwen--Qwen3-8B/snapshots/<commit>), else its folder's name (its parent's when the folder is
+    named by a commit hash). Reads nothing but config.json, and only when it is on this machine."""
+    path = Path(str(target_dir).rstrip("/"))
+    try:
+        saved_as = json.loads((path / "config.json").read_text()).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        saved_as = None
+    if isinstance(saved_as, str) and _HUB_ID.fullmatch(saved_as):
+        return saved_as
+    for part in reversed(path.parts):
+        if part.startswith("models--"):
+            return part.removeprefix("models--").replace("--", "/", 1)
+    if _COMMIT.fullmatch(path.name) and path.parent.name:
+        return path.parent.name
+    return path.name or str(target_dir)

@@ -195,8 +195,9 @@ def first_divergences(
     context_tokens: int = 24,
     block_size: int | None = None,
 ) -> list[dict | None]:
-    """Per reference, its first step that rejected a draft (None when every step accepted all it could):
-    step index, position in the completion, drafts accepted, and as text: the `context_tokens` tokens
+    """Per reference, its first decode step that rejected a draft (None when every step accepted all it could):
+    the decode step's index, the position in the completion, its acceptance length (the drafts accepted plus the
+    target's own token, as the histogram counts), and as text: the `context_tokens` tokens
     before the block (ending with the bonus token R[start]; the prompt's tail for an early step), the
     drafted block and the reference's tokens there. block_size: the blocks the steps were drafted with
     (default the drafter's own)."""
@@ -218,9 +219,9 @@ def first_divergences(
         tokens = list(references[s].token_ids)
         truth = tokens[start + 1:start + scorer.B]
         out[s] = {
-            "step": step,
+            "decode_step": step,
             "position": start - references[s].prompt_len,  # of the bonus token, in the completion
-            "accepted": length - 1,
+            "acceptance_length": length,
             "context": decode(tokens[max(0, start + 1 - context_tokens):start + 1]),
             "drafted": decode(block[:len(truth)]),
             "reference": decode(truth),

@@ -12,7 +12,8 @@ target's bonus token, 1..B for block size B.
 - 95% intervals: percentile bootstrap over prompts (the prompt is the unit that varies); with several
   sampled completions per prompt (temperature > 0), a two-level bootstrap: prompts, then the samples
   within each prompt drawn.
-- projected speedup: tau / (1 + c) for a drafter forward costing c target forwards.
+- projected speedup: tau / (1 + c) for a drafter forward costing c target forwards, an upper bound (a step
+  verifying a block is taken to cost one decode step).
 
 A reference ends where the target stopped, so a prompt's last step can only be compared against the
 tokens the reference holds: when that step accepted all of them and its block reached past the end,
@@ -107,6 +108,13 @@ def position_acceptance(prompts: Sequence[PromptScore], block_size: int) -> list
     A step of length L accepted positions 1..L-1 and was rejected at position L (when L < B). A
     clipped last step compared no position after its last accepted one, so it counts only as reached
     for positions 1..L-1. None where no step reached position k."""
+    reached, accepted = position_counts(prompts, block_size)
+    return [a / r if r else None for a, r in zip(accepted, reached)]
+
+
+def position_counts(prompts: Sequence[PromptScore], block_size: int) -> tuple[list[int], list[int]]:
+    """(reached, accepted): per draft position k = 1..B-1, the steps that compared it (every earlier one accepted)
+    and those that accepted it (position_acceptance's rule for clipped last steps)."""
     reached, accepted = [0] * (block_size - 1), [0] * (block_size - 1)
     for p in prompts:
         for i, length in enumerate(p.acceptance_lengths):
@@ -115,7 +123,27 @@ def position_acceptance(prompts: Sequence[PromptScore], block_size: int) -> list
                 reached[k - 1] += 1
             for k in range(1, length):
                 accepted[k - 1] += 1
-    return [a / r if r else None for a, r in zip(accepted, reached)]
+    return reached, accepted
+
+
+def position_acceptance_intervals(prompts: Sequence[PromptScore], block_size: int, draws: int = 1000, seed: int = 0,
+                                  level: float = 0.95) -> list[tuple[float, float] | None]:
+    """95% interval of each position_acceptance rate: a percentile bootstrap over prompts (then samples within a
+    prompt), as tau's, so that a rate from a handful of blocks shows as the guess it is. None where no step
+    reached the position; where some draws never reach it, the interval is over the draws that do."""
+    import numpy as np  # (only here: history and the report import this module, and only need plain Python)
+
+    counts = np.array([position_counts([p], block_size) for p in prompts], dtype=np.int64)  # [N, 2, B-1]
+    groups: dict[str, list[int]] = {}
+    for n, p in enumerate(prompts):
+        groups.setdefault(p.prompt or p.id, []).append(n)
+    units = list(groups.values())
+    rng = random.Random(seed)
+    times_drawn = np.array([np.bincount(_two_levels(units, rng), minlength=len(prompts)) for _ in range(draws)])
+    reached, accepted = (times_drawn @ counts[:, 0, :]), (times_drawn @ counts[:, 1, :])  # [draws, B-1] each
+    rates = [(accepted[:, k][reached[:, k] > 0] / reached[:, k][reached[:, k] > 0]).tolist()
+             for k in range(block_size - 1)]
+    return [_percentiles(values, level) if values else None for values in rates]
 
 
 def by_prompt(scores: Sequence[PromptScore]) -> list[list[PromptScore]]:
@@ -206,9 +234,11 @@ def paired_slope_interval(steps: Sequence[int], taus: Sequence[dict[str, tuple[s
 
 
 def projected_speedup(tau: float, cost_ratio: float) -> float:
-    """Tokens per unit of target time: each step costs one target forward (verifying the block) plus
-    one drafter forward (DFlash drafts the whole block in one pass) of `cost_ratio` target forwards,
-    and emits tau tokens; plain decoding emits one token per target forward. speedup = tau / (1 + c)."""
+    """An upper bound on the speedup: tokens per unit of target time when each step costs one target forward
+    plus one drafter forward (DFlash drafts the whole block in one pass) of `cost_ratio` target forwards, and
+    emits tau tokens; plain decoding emits one token per target forward. speedup = tau / (1 + c). Verifying a
+    block of B tokens costs more than decoding one (it is only free while decoding is bound by memory
+    bandwidth), so a real speedup is lower: --step-cost projects from a step's measured cost instead."""
     return tau / (1.0 + cost_ratio)
 
 
@@ -240,10 +270,14 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
         "tau_pooled_ci95": bootstrap_interval(scored, tau_pooled),
         "block_size": block_size,
         "position_acceptance": position_acceptance(scored, block_size),
+        "position_acceptance_ci95": position_acceptance_intervals(scored, block_size),
+        # per draft position: the steps that compared it, and those that accepted it
+        "position_counts": dict(zip(("reached", "accepted"), position_counts(scored, block_size))),
         "tau_by_category": {c: tau_macro([p for p in scored if p.category == c]) for c in categories},
         "projected_speedup": {str(c): projected_speedup(tau_macro(scored), c) for c in SPEEDUP_COST_RATIOS},
-        "speedup_note": ("tau_macro / (1 + c) for a drafter forward costing c target forwards "
-                         "(metrics.projected_speedup)"),
+        "speedup_note": ("an upper bound: tau_macro / (1 + c) for a drafter forward costing c target forwards, "
+                         "with verifying a block costing what one decode step costs (metrics.projected_speedup); "
+                         "--step-cost projects from measured step costs"),
         "histogram": {str(k): n for k, n in enumerate(histogram(scored, block_size), start=1)},
         "n_prompts": len(prompts),
         "samples_per_prompt": max(len(g) for g in by_prompt(prompts)),  # 1: greedy

@@ -1,7 +1,7 @@
 """What a flow run shows in the Prefect UI once a checkpoint is scored.
 
-Artifacts are keyed per series (target + prompt set), so the UI's artifact page keeps one versioned
-history per series across flow runs:
+Artifacts are keyed per series (flows.history: series_key, what makes taus comparable), so the UI's artifact
+page keeps one versioned history per series across flow runs:
 
   <series>-scores    table: this checkpoint's metrics
   <series>-history   table: every scored checkpoint of the series by step, with intervals, the best
@@ -14,9 +14,10 @@ history per series across flow runs:
   <series>-report    link: the store's report (flows.report), rewritten by this run: its HTTP address
                      when one serves it ($DFLASH_REPORT_URL, set by `dflash-eval serve`), else the file
 
-Progress artifacts of long stages (`<series>-<stage>-progress`) come from tasks/progress.py.
+Progress artifacts of long stages (tasks/progress.py) have no key: they show on their flow run's page only.
 """
 
+import hashlib
 import shlex
 from pathlib import Path
 
@@ -24,10 +25,10 @@ from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
 from dflash_eval.storage import Store
+from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import Stage
-from dflash_eval.tasks.progress import series_key
 
-from .history import Group, find_group, history, paired_interval
+from .history import Group, HistoryRow, find_group, history, paired_interval
 from .report_server import report_url
 from .training_side import TrainingSide
 
@@ -42,15 +43,14 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
     and report-link artifacts; returns their keys. groups: history(store), when the caller has it; training:
     {group index: each training run with a log beside it} (flows.tracker.track), when the caller read them."""
     logger = get_run_logger()
-    series = series_key(results["target"], results["prompts"])
-    keys = {name: f"{series}-{name}" for name in ("scores", "history", "summary", "report")}
+    keys = {name: f"{results['series']['key']}-{name}" for name in ("scores", "history", "summary", "report")}
     create_table_artifact(key=keys["scores"], table=score_table(results),
                           description=f"Scores of {results['drafter']['source']}")
     groups = history(store) if groups is None else groups
     found = find_group(groups, results["keys"]["scores"])
     if found is not None:
         group = found[0]
-        described = f"tau by training step: {group.title}; this run {results['tau_macro']:.3f}"
+        described = f"{group.title}: tau by step {sparkline(group)}; this run {results['tau_macro']:.3f}"
         if group.best:
             described += f", best {group.best.label} {group.best.tau_macro:.3f}"
         row = found[1]
@@ -63,14 +63,15 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
         report = write_report(store, report_dir, groups=groups, step_costs=step_costs,  # the store's scores, read once
                               training=training or None)
         if found is not None and any(r.step is not None for r in found[0].rows):
-            plot = tau_plot_path(groups.index(found[0]) + 1)
+            plot = kept_copy(report.parent, tau_plot_path(groups.index(found[0]) + 1))
     except Exception as e:  # noqa: BLE001 - the scores are stored; a report failure must not hide them
         logger.error(f"the report could not be written to {report_dir} ({type(e).__name__}: {e}); "
                      "the scores are in the store: rerun `dflash-eval report --out DIR` once fixed")
     # $DFLASH_REPORT_URL serves the store's own report folder, not one given elsewhere
     default_dir = (store.root / "report").resolve()
     served = report_url() if report is not None and report.parent.resolve() == default_dir else None
-    create_markdown_artifact(key=keys["summary"], markdown=summary_markdown(results, found, report, served, plot),
+    create_markdown_artifact(key=keys["summary"], markdown=summary_markdown(results, found, report, served, plot,
+                                                                           reruns=rerun_deployments_exist()),
                              description="This checkpoint against the previous step, the best one and the baselines")
     if report is not None:
         link = f"{served}{report.name}" if served else report.resolve().as_uri()
@@ -80,15 +81,64 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
     return keys
 
 
+def kept_copy(folder: Path, name: str) -> str:
+    """A copy of the file `folder/name` named by its content (img/tau-by-step-<sha>.png), never overwritten: a
+    summary that links it shows what it showed when it was written, whatever later runs redraw."""
+    data = (folder / name).read_bytes()
+    path = Path(name)
+    kept = path.with_name(f"{path.stem.split('-', 1)[-1]}-{hashlib.sha256(data).hexdigest()[:12]}{path.suffix}")
+    if not (folder / kept).exists():
+        write_bytes_atomic(folder / kept, data)
+    return kept.as_posix()
+
+
+EIGHTHS = " ▏▎▍▌▋▊▉"
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def bar(tau: float, top: float, width: int = 24) -> str:
+    """A horizontal bar of `tau` on a scale from 1 (nothing accepted) to `top`, in eighths of a character."""
+    eighths = round(8 * width * max(0.0, tau - 1) / max(top - 1, 1e-9))
+    return "█" * (eighths // 8) + EIGHTHS[eighths % 8].strip()
+
+
+def sparkline(group: Group) -> str:
+    """Tau of the group's checkpoints in history order as one line of block characters (lowest to highest),
+    the best one followed by `*`: a picture of tau by step that any text field shows."""
+    rows = group.candidates
+    if not rows:
+        return ""
+    low, high = min(r.tau_macro for r in rows), max(r.tau_macro for r in rows)
+    marks = [SPARKS[round((len(SPARKS) - 1) * (r.tau_macro - low) / (high - low)) if high > low else -1]
+             + ("*" if r.best else "") for r in rows]
+    return "".join(marks)
+
+
+def tau_chart(group: Group, this: HistoryRow | None) -> list[str]:
+    """The summary's tau by step: one line per checkpoint of the series (then its baselines) with a bar, the best
+    one and this run marked; plain text, so the UI shows it with no server running."""
+    top = max(r.tau_macro for r in group.rows)
+    width = max(len(r.label) for r in group.rows)
+    lines = []
+    for row in group.rows:
+        marks = [m for m, holds in (("best", row.best), ("baseline", row.baseline), ("<- this run", row is this))
+                 if holds]
+        lines.append(f"{row.label:<{width}}  {row.tau_macro:6.3f}  {bar(row.tau_macro, top):<24}  {' '.join(marks)}"
+                     .rstrip())
+    return lines
+
+
 def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
     """One row per scored checkpoint of a series, in history order (by step), then its baselines; with its
     training run's side, what the trainer logged at each step and the alarm's flags."""
     rows = []
     mine = {id(r) for r in side.rows} if side else set()
+    top = max(r.tau_macro for r in group.rows)
     for row in group.rows:
         ci = row.tau_macro_ci95
         table = {"checkpoint": row.label, "step": "-" if row.step is None else str(row.step),
-                 "tau macro": f"{row.tau_macro:.3f}", "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
+                 "tau macro": f"{row.tau_macro:.3f}", "tau (bar from 1)": bar(row.tau_macro, top),
+                 "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
                  "tau pooled": f"{row.tau_pooled:.3f}", "verdict": row.mark}
         if side is not None:
             implied = side.implied(row) if id(row) in mine else None
@@ -99,10 +149,28 @@ def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
 
 
 def rerun_commands(results: dict) -> list[str]:
-    """The commands that recompute one stage of this checkpoint through the served deployments."""
+    """The commands that recompute one stage of this checkpoint through the served deployments, each broken
+    after the deployment's name so that it fits a card."""
     drafter = results["drafter"]["source"]
-    return [f"prefect deployment run 'evaluate-checkpoint/rerun-{stage}' -p drafter={shlex.quote(drafter)}"
+    return [f"prefect deployment run 'evaluate-checkpoint/rerun-{stage}' \\\n    -p drafter={shlex.quote(drafter)}"
             for stage in RERUN_STAGES]
+
+
+def rerun_deployments_exist() -> bool:
+    """Whether this Prefect server has the rerun deployments (`dflash-eval serve` or prefect.yaml made them)."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.read_deployment_by_name(f"evaluate-checkpoint/rerun-{RERUN_STAGES[0]}")
+    except ObjectNotFound:
+        return False
+    except Exception as e:  # noqa: BLE001 - the summary goes out without the commands rather than not at all
+        get_run_logger().warning(f"could not ask the server for the rerun deployments ({e}): the summary leaves "
+                                 "their commands out")
+        return False
+    return True
 
 
 def score_table(results: dict) -> list[dict]:
@@ -120,11 +188,17 @@ def score_table(results: dict) -> list[dict]:
         ("references", results.get("sampling_label", "greedy")),
         ("samples per prompt", results.get("samples_per_prompt", 1)),
     ]
-    rows += [(f"P(position {k} accepted | earlier accepted)", "-" if p is None else f"{p:.3f}")
-             for k, p in enumerate(results["position_acceptance"], start=1)]
+    intervals = results.get("position_acceptance_ci95") or [None] * len(results["position_acceptance"])
+    counts = results.get("position_counts") or {}
+    for k, (p, ci) in enumerate(zip(results["position_acceptance"], intervals), start=1):
+        value = "-" if p is None else f"{p:.3f}"
+        if p is not None and ci is not None:
+            value += f" (95% CI {ci[0]:.2f}-{ci[1]:.2f}"
+            value += f"; {counts['accepted'][k - 1]} of {counts['reached'][k - 1]} blocks)" if counts else ")"
+        rows.append((f"P(position {k} accepted | earlier accepted)", value))
     rows += [(f"tau on {category}", f"{tau:.3f}") for category, tau in results["tau_by_category"].items()]
-    rows += [(f"projected speedup, drafter costs {c} target forwards", f"{x:.2f}x")
-             for c, x in results["projected_speedup"].items()]
+    rows += [(f"speedup upper bound, drafter costs {c} target forwards (verifying a block as cheap as a decode step)",
+              f"{x:.2f}x") for c, x in results["projected_speedup"].items()]
     if "baseline" in results:
         rows.append((f"baseline {results['baseline']['source']} tau macro", f"{results['baseline']['tau_macro']:.3f}"))
     for row in results.get("block_sweep", ()):
@@ -136,11 +210,12 @@ def score_table(results: dict) -> list[dict]:
 
 
 def summary_markdown(results: dict, found, report: Path | None, served: str | None = None,
-                     plot: str | None = None) -> str:
-    """This checkpoint against the previous step, the best other checkpoint and the baselines. A checkpoint
-    without a training step has no previous step and is never called a regression (flows.history).
-    served: the report's HTTP address; plot: the path under it of this series' tau-by-step plot, which the
-    summary then shows."""
+                     plot: str | None = None, reruns: bool = False) -> str:
+    """This checkpoint against the previous step, the best other checkpoint and the baselines, and tau by
+    checkpoint as text. A checkpoint without a training step has no previous step and is never called a
+    regression (flows.history). served: the report's HTTP address; plot: the path under it of this series'
+    tau-by-step plot (a copy named by its content), which the summary then shows; reruns: the rerun deployments
+    exist, so the summary gives the commands that rerun a stage."""
     drafter = results["drafter"]
     low, high = results["tau_macro_ci95"]
     lines = [f"## {drafter['source']}" + (f" (step {drafter['step']})" if drafter["step"] is not None else ""),
@@ -158,10 +233,14 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
         if earlier:
             compared.append(("previous step", earlier[-1]))
         if candidates:
-            compared.append(("best other checkpoint", max(candidates, key=lambda r: r.tau_macro)))
+            best_other = max(candidates, key=lambda r: r.tau_macro)
+            if compared and compared[0][1] is best_other:  # one row for both
+                compared[0] = ("previous step, best other", best_other)
+            else:
+                compared.append(("best other checkpoint", best_other))
         compared += [("baseline", r) for r in group.baselines if r is not row]
         if compared:
-            lines += ["| | checkpoint | step | tau macro | 95% CI | this minus it (paired 95% CI) |",
+            lines += ["| | checkpoint | step | tau macro | 95% CI | this run's tau minus it (paired 95% CI) |",
                       "|---|---|---|---|---|---|"]
             for name, other in [("this", row), *compared]:
                 ci = other.tau_macro_ci95
@@ -185,6 +264,8 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
         else:
             lines.append("No regression: not worse than the best earlier step on the same references (the paired "
                          "95% interval of the difference reaches 0 or above).")
+        lines += ["", "Tau by checkpoint in this series (bars from 1, nothing accepted):", "", "```",
+                  *tau_chart(group, row), "```"]
     lines += training_markdown(results.get("training"))
     ran = [s for s, status in results["stages"].items() if status == "ran"]
     lines += ["", f"Stages that ran: {', '.join(ran) or 'none (all cached)'}."]
@@ -194,8 +275,8 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
         lines += ["", f"Report: [{served}{report.name}]({served}{report.name})"]
     elif report is not None:
         lines.append(f"Report: `{report}`")
-    lines += ["", "Rerun one stage of this checkpoint (`dflash-eval serve` running):", "", "```",
-              *rerun_commands(results), "```"]
+    if reruns:
+        lines += ["", "Rerun one stage of this checkpoint:", "", "```", *rerun_commands(results), "```"]
     return "\n".join(lines)
 
 

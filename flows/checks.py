@@ -24,7 +24,13 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from dflash_core.checkpoint_files import WeightFilesError, has_safetensors, weight_file_problem, weight_files
+from dflash_core.checkpoint_files import (
+    WeightFilesError,
+    has_safetensors,
+    model_name,
+    weight_file_problem,
+    weight_files,
+)
 from dflash_core.choices import SLIDING_SEMANTICS
 from dflash_core.drafter_config import DrafterConfig, DrafterError, check_block_size, check_compatible
 from dflash_core.prompts import PromptError, read_completions
@@ -98,6 +104,7 @@ class EvaluationInputs:
     tensorboard: str | None  # the TensorBoard run to write (flows.tracker); None: the training run's default
     mlflow: str | None  # an MLflow tracking URI to write the same into; None: none
     divergence_window: int  # saves the diverging alarm fits over
+    target_name: str  # how series titles and tags call the target: --name, else checkpoint_files.model_name
     checked: CheckedInputs
 
     def runs(self, stage: str) -> bool:
@@ -370,7 +377,7 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
     # a deployment's templated parameters arrive as "" when their variable is unset
     p["reference"] = p["reference"] or "local"
     for name in ("drafter_config", "reference_api_key_file", "dask_address", "references", "step_cost",
-                 "training_log", "tensorboard", "mlflow"):
+                 "training_log", "tensorboard", "mlflow", "target_name"):
         p[name] = p[name] or None
     replay_group = p["replay_group"]
     if isinstance(replay_group, bool) or not isinstance(replay_group, int) or replay_group < 1:
@@ -413,7 +420,7 @@ def check_evaluation(parameters: dict) -> EvaluationInputs:
         block_sizes=tuple(sorted(set(p["block_sizes"] or ())))
         or ((p["block_size"] or checked.drafter.block_size,) if p["step_cost"] else ()),
         training_log=p["training_log"], tensorboard=p["tensorboard"], mlflow=p["mlflow"], divergence_window=window,
-        checked=checked)
+        target_name=p["target_name"] or model_name(p["target"]), checked=checked)
 
 
 def check_dask_address(address: str | None) -> int | None:

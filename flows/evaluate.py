@@ -26,16 +26,18 @@ computed each shard.
 import inspect
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from prefect import Flow, flow, get_client, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Completed
 
+from dflash_core.checkpoint_files import step_from_name
 from dflash_core.choices import DEFAULT_REPLAY_GROUP, SLIDING_SEMANTICS
 from dflash_eval.flows.artifacts import publish
 from dflash_eval.flows.checks import EvaluationInputs, InputError, check_evaluation
 from dflash_eval.flows.choices import STAGES, DeviceName, StageName
-from dflash_eval.flows.history import find_group, history
+from dflash_eval.flows.history import find_group, history, series_key
 from dflash_eval.flows.results import StageRuns, evaluation_results, outcome
 from dflash_eval.flows.tracker import track
 from dflash_eval.flows.training_side import DEFAULT_WINDOW
@@ -44,9 +46,14 @@ from dflash_eval.tasks.baselines import mark_baseline
 from dflash_eval.tasks.diagnostics import diagnose, layers_needed
 from dflash_eval.tasks.drafts import draft
 from dflash_eval.tasks.features import extract_target_features
-from dflash_eval.tasks.fetch import DEFAULT_WAIT_SECONDS, CheckpointError, fetch_checkpoint, source_step
+from dflash_eval.tasks.fetch import (
+    DEFAULT_WAIT_SECONDS,
+    CheckpointError,
+    fetch_checkpoint,
+    is_relay_url,
+    source_step,
+)
 from dflash_eval.tasks.heavy import heavy_stages_at_once
-from dflash_eval.tasks.progress import series_key
 from dflash_eval.tasks.references import generate_references
 from dflash_eval.tasks.scores import score
 from dflash_eval.tasks.stage import refusals_fail_cleanly
@@ -62,7 +69,7 @@ SlidingSemantics = Literal[SLIDING_SEMANTICS]  # type: ignore[valid-type]
 def evaluate(inputs: EvaluationInputs):
     """Run the stages of one checked evaluation in order, each a Prefect task that computes only what the
     store lacks; once scored, publish the results and return them in a Completed state whose message is tau."""
-    _add_tags(run_tags(inputs.target, inputs.prompts, source_step(inputs.drafter), inputs.stages[-1], inputs.refresh)
+    _add_tags(run_tags(inputs.target_name, inputs.prompts, source_step(inputs.drafter), inputs.stages[-1], inputs.refresh)
               + served_tags(inputs))
     _log_dtype(inputs)
     store, target, refresh, runs = inputs.store_location, inputs.target, inputs.refresh, StageRuns()
@@ -87,7 +94,7 @@ def evaluate(inputs: EvaluationInputs):
             lookahead=inputs.checked.drafter.block_size - 1 if inputs.lookahead else 0, thinking=inputs.thinking,
             concurrency=inputs.concurrency, reference_api_key_file=inputs.reference_api_key_file,
             sampling=inputs.checked.sampling, samples=inputs.samples, seed=inputs.seed, given=inputs.references,
-            refresh="references" in refresh, return_state=True, **on_device))
+            target_name=inputs.target_name, refresh="references" in refresh, return_state=True, **on_device))
     if inputs.runs("features"):
         features = runs.add("features", extract_target_features(
             target, refs, feature_layers(inputs, checkpoint, baseline), store, dask_address=inputs.dask_address,
@@ -115,6 +122,9 @@ def evaluate(inputs: EvaluationInputs):
     opened = Store(store)
     groups = history(opened)
     found_row = find_group(groups, results["keys"]["scores"])
+    results["series"] = ({"key": found_row[0].series, "title": found_row[0].title} if found_row is not None else
+                         {"key": series_key(opened, results["keys"]["features"], results["sliding_semantics"],
+                                            inputs.block_size, inputs.target_name, inputs.prompts), "title": None})
     training = {}
     if found_row is not None and found_row[1].step is not None:
         results["training"], training = track(groups, found_row[1].source, inputs.training_log, inputs.tensorboard,
@@ -123,7 +133,8 @@ def evaluate(inputs: EvaluationInputs):
             get_run_logger().warning(problem)
     publish(results, opened, Path(inputs.report_dir) if inputs.report_dir else opened.root / "report",
             groups=groups, training=training, step_costs=inputs.checked.step_costs)
-    _add_tags([f"tau:{results['tau_macro']:.3f}"])  # the runs list shows tags, not state messages
+    # the runs list shows tags, not state messages; filtered by `series:` it lists only taus that compare
+    _add_tags([f"series:{results['series']['key']}", f"tau:{results['tau_macro']:.3f}"])
     found = outcome(results)
     get_run_logger().info(found)
     return Completed(message=found, data=results)
@@ -197,6 +208,7 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
         tensorboard: str | None = None,
         mlflow: str | None = None,
         divergence_window: int = DEFAULT_WINDOW,
+        target_name: str | None = None,
     ) -> dict:
         """Score a drafter checkpoint: tau (macro and pooled), histogram, per-prompt acceptance lengths.
 
@@ -267,6 +279,8 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
             mlflow: An MLflow tracking URI (http://HOST:PORT, file:DIR) to write the same into, an MLflow run of
                 ours per training run in experiment dflash-eval (empty: none).
             divergence_window: Saves the diverging alarm fits its slopes over (at least 3).
+            target_name: How series titles and tags call the target (default: the Hub id in its config or cache path,
+                else its folder's name); recorded with its references the first time they are made.
         """
         return evaluate(checked or check_evaluation(locals()))
 
@@ -293,22 +307,27 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
 
 
 def run_name(drafter: str, until: str = "scores", refresh=None) -> str:
-    """A flow run's name: `<checkpoint> step <N>` (the step when the checkpoint's name holds one), then
-    `rerun <stage>` for refreshed stages or `stage <stage>` for one stage asked for, so a full evaluation, a
-    stage rerun by hand and one from the UI read differently in the runs list."""
-    name = Path(str(drafter).rstrip("/")).name or str(drafter)
-    if (step := source_step(drafter)) is not None:
+    """A flow run's name: the checkpoint's run folder and name (`run1/step_400`), with ` step <N>` when its name
+    does not end in its step already (`run1/epoch_2`), then `rerun <stage>` for refreshed stages, `with
+    diagnostics` for a full evaluation that adds them, or `stage <stage>` for one stage asked for, so a full
+    evaluation, a stage rerun by hand and one from the UI read differently in the runs list."""
+    parts = Path(urlsplit(str(drafter)).path if is_relay_url(str(drafter)) else str(drafter).rstrip("/")).parts
+    name = "/".join(parts[-2:]) or str(drafter)
+    step = source_step(drafter)
+    if step is not None and step_from_name(name) != step:
         name += f" step {step}"
     if refresh:
         return f"{name} rerun {', '.join(s for s in STAGES if s in set(refresh))}"
+    if until == "diagnostics":
+        return f"{name} with diagnostics"
     return name if until == "scores" else f"{name} stage {until}"
 
 
-def run_tags(target: str, prompts: str, step: int | None, until: str = "scores", refresh=None) -> list[str]:
-    """The tags a flow run gets when it starts: its target, prompt set and step, and `stage-rerun` unless it is
-    a full evaluation (`tau:<tau macro>` is added once it is scored)."""
-    tags = [f"target:{Path(str(target).rstrip('/')).name}", f"prompts:{Path(str(prompts)).stem}",
-            f"series:{series_key(target, prompts)}"]
+def run_tags(target_name: str, prompts: str, step: int | None, until: str = "scores", refresh=None) -> list[str]:
+    """The tags a flow run gets when it starts: its target's name, prompt set and step, and `stage-rerun` unless it
+    is a full evaluation (`series:<key>` and `tau:<tau macro>` are added once it is scored: flows.history's
+    series_key, which only the store's entries decide)."""
+    tags = [f"target:{target_name}", f"prompts:{Path(str(prompts)).stem}"]
     if step is not None:
         tags.append(f"step:{step}")
     if refresh or until != "scores":

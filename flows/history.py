@@ -18,14 +18,16 @@ next run recomputes it), and so is a stale one (its drafts were recomputed with 
 the next run scores them again); one whose drafts or checkpoint entry is gone is skipped silently.
 """
 
+import re
 import warnings
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 
+from dflash_core.checkpoint_files import model_name
 from dflash_core.metrics import paired_difference_interval
 from dflash_core.sampling import Sampling
-from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, read_json
+from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, key_of, read_json
 from dflash_eval.storage.integrity import StaleEntryWarning, stale_upstream
 from dflash_eval.storage.schema import (
     SCORES_FILE,
@@ -77,7 +79,8 @@ class HistoryRow:
 
 @dataclass
 class Group:
-    """Checkpoints scored against one target, one reference set, one sliding-layer semantics and block size."""
+    """Checkpoints scored against one target, one reference set, one sliding-layer semantics and block size, in
+    one store: a series, whose taus compare."""
 
     features: str  # features key (target + references)
     sliding_semantics: str
@@ -85,6 +88,7 @@ class Group:
     title: str  # "<target> on <prompts>, ...", for people
     sweep_title: str  # the title without the block size: the same for every block size of one sweep
     setting: str  # how it is served, in short: "greedy", "T=0.6 top-k 20 x8", "greedy, blocks of 4", ...
+    series: str  # its key in Prefect (artifact keys, the `series:` tag): series_key
     rows: list[HistoryRow] = field(default_factory=list)  # candidates in history order (module doc), then baselines
 
     @property
@@ -217,10 +221,22 @@ def find_group(groups: list[Group], scores_key: str) -> tuple[Group, HistoryRow]
     return None
 
 
+def series_key(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None,
+               target: str, prompts: str) -> str:
+    """A series' key in Prefect: `<target>-<prompts>-<8 hex>`, lowercase letters, digits and dashes (an artifact
+    key's alphabet). The hex digits are what makes its taus comparable: the store, the features entry (the
+    target's content and the references': prompts, max new tokens, thinking, backend, sampling), the
+    sliding-layer semantics and the chosen block size; the names only make it readable."""
+    identity = key_of({"store": store.location, "features": features_key, "sliding_semantics": sliding_semantics,
+                       "block_size": chosen_block_size})[:8]
+    name = re.sub(r"[^a-z0-9]+", "-", f"{target}-{Path(prompts).stem}".lower()).strip("-")[:40].strip("-")
+    return f"{name or 'series'}-{identity}"
+
+
 def _describe(store: Store, features_key: str, sliding_semantics: str,
-              chosen_block_size: int | None) -> tuple[str, str, str]:
-    """A group's (title, sweep title, setting): the title for people, that title without the block size, the
-    setting in short (how the references were made, the block size when chosen)."""
+              chosen_block_size: int | None) -> tuple[str, str, str, str]:
+    """A group's (title, sweep title, setting, series key): the title for people, that title without the block
+    size, the setting in short (how the references were made, the block size when chosen), its key in Prefect."""
     blocks = f", blocks of {chosen_block_size}" if chosen_block_size else ""
     try:
         # a title only: records, no files read
@@ -230,8 +246,9 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
                                                                     verify=False, discard_damaged=False))
     except (EntryMissing, KeyError):
         title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
-        return title + blocks, title, f"features {features_key[:12]}" + blocks
-    target = Path(references.target or "").name or "target"  # entries from before it was recorded
+        return (title + blocks, title, f"features {features_key[:12]}" + blocks,
+                series_key(store, features_key, sliding_semantics, chosen_block_size, "features", features_key[:12]))
+    target = references.target_name or model_name(references.target or "target")  # older entries: from the path
     prompts = Path(references.prompts).name or "prompts"
     if references.backend.get("kind") == "given":
         made = "given completions"
@@ -241,7 +258,8 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
     title = f"{target} on {prompts}, {references.max_new_tokens} new tokens{served}"
     semantics = f" ({sliding_semantics} sliding layers)"
     short = made if not references.sampling else f"{made.split(',')[0]} x{references.sampling['samples']}"
-    return title + blocks + semantics, title + semantics, short + blocks
+    return (title + blocks + semantics, title + semantics, short + blocks,
+            series_key(store, features_key, sliding_semantics, chosen_block_size, target, prompts))
 
 
 def sampling_label(sampling: dict | None) -> str:

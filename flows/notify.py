@@ -11,6 +11,7 @@ copied on its own: `python notify.py --checkpoint http://relay:8700/run1/step_10
 import argparse
 import datetime
 import json
+import logging
 import os
 import sys
 import urllib.error
@@ -59,6 +60,7 @@ def notify(checkpoint: str, step: int | None = None, api_url: str | None = None,
                 with temporary_settings({PREFECT_API_URL: api_url}):
                     emit_event(event=event["event"], resource=event["resource"], payload=event["payload"],
                                id=uuid.UUID(event["id"]))
+                    _deliver_now(timeout)
                 return True
             except Exception as e:  # noqa: BLE001 - a trainer must never crash on a notification
                 _warn(f"emitting the event through Prefect failed ({e}); posting it over HTTP instead")
@@ -70,6 +72,20 @@ def notify(checkpoint: str, step: int | None = None, api_url: str | None = None,
     except (urllib.error.URLError, OSError, ValueError) as e:
         _warn(f"the Prefect server at {api_url} did not take the event ({_reason(e)})")
         return False
+
+
+def _deliver_now(timeout: float) -> None:
+    """Send what emit_event queued before returning, not at the process's exit: "sent" is then true, and Prefect's
+    events worker, stopped at exit with the event still queued, does not print "Still processing items"."""
+    from prefect.events.worker import EventsWorker
+
+    worker_log = logging.getLogger("EventsWorker")  # it warns of the queued event as it drains it
+    level = worker_log.level
+    worker_log.setLevel(logging.ERROR)
+    try:
+        EventsWorker.drain_all(timeout=timeout)
+    finally:
+        worker_log.setLevel(level)
 
 
 def _reason(e: Exception) -> str:

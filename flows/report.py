@@ -5,7 +5,7 @@ flows.history) the report shows:
 
 - every scored checkpoint, in history order (by training step; checkpoints without one by when they were
   first scored, never by path: flows.history): tau macro with its 95% interval, tau pooled, the best step,
-  regressions and baselines, and the projected speedup of the newest checkpoint (the last in that order);
+  regressions and baselines, and the speedup upper bound of the newest checkpoint (the last in that order);
 - tau macro over training steps, with the intervals, the best step, regressions and each baseline as a
   dashed line with its interval as a band;
 - for the newest `last` checkpoints and the baselines: the conditional acceptance of each draft position
@@ -114,7 +114,7 @@ class GroupSection:
     block_sizes: list[int]
     all_positions: bool  # some row has an all-positions tau: the table shows the column
     newest: HistoryRow | None  # the last candidate in history order
-    speedup: dict[str, float]  # projected speedup of the newest, {drafter cost c: tau / (1 + c)}; {}: none
+    speedup: dict[str, float]  # speedup upper bound of the newest, {drafter cost c: tau / (1 + c)}; {}: none
     tau_plot: Plot | None  # None: no checkpoint has a training step
     acceptance_plot: Plot
     histogram_plot: Plot
@@ -470,7 +470,8 @@ def _acceptance_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: d
     fig = Figure(figsize=(12, 4.5), dpi=DPI, layout="constrained")
     conditional, cumulative = fig.subplots(1, 2, sharex=True)
     for row in shown:
-        rates = [math.nan if p is None else p for p in scores[row.scores].get("position_acceptance", [])]
+        found = scores[row.scores]
+        rates = [math.nan if p is None else p for p in found.get("position_acceptance", [])]
         # NaN (no step reached that position) propagates: the cumulative curve is unknown from there on
         together, product = [], 1.0
         for rate in rates:
@@ -480,6 +481,18 @@ def _acceptance_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: d
         style = dict(color=colors[row.scores], marker="o", linestyle="--" if row.baseline else "-")
         conditional.plot(positions, rates, label=_name(row), **style)
         cumulative.plot(positions, together, **style)
+        # its 95% interval as a band (scores from before they were kept have none)
+        intervals = [(math.nan, math.nan) if ci is None else ci for ci in found.get("position_acceptance_ci95", [])]
+        if intervals:
+            conditional.fill_between(positions, [lo for lo, _ in intervals], [hi for _, hi in intervals],
+                                     color=colors[row.scores], alpha=0.15, linewidth=0)
+    # how many blocks each rate of the newest checkpoint comes from: a rate from a handful is a guess
+    reached = scores[shown[-1].scores].get("position_counts", {}).get("reached", []) if shown else []
+    for k, n in enumerate(reached, start=1):
+        conditional.annotate(f"{n}", (k, 0.02), ha="center", fontsize=7, color="0.35")
+    if reached:
+        conditional.text(0.01, 0.07, f"blocks reaching each position ({_name(shown[-1])}); bands: 95% CI",
+                         transform=conditional.transAxes, fontsize=7, color="0.35")
     conditional.set(title="Conditional acceptance by draft position", xlabel="draft position k",
                     ylabel="P(k accepted | 1..k-1 accepted)", ylim=(0, 1.03))
     cumulative.set(title="Cumulative acceptance", xlabel="draft position k",

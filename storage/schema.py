@@ -98,6 +98,8 @@ class ReferencesRecord(_Record):
     backend_fingerprint: str | None = _written_when_set()  # digest of a server's fingerprint (none when local)
     # sampled references: the settings, samples per prompt and seed (dflash_core.sampling); None: greedy
     sampling: dict[str, Any] | None = _written_when_set()
+    # how series titles call the target (--name, else tasks.target.model_name); None in older entries
+    target_name: str | None = _written_when_set()
 
 
 @dataclass(frozen=True)

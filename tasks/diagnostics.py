@@ -43,7 +43,8 @@ from .threads import replay_threads
 
 STAGE = Stage.DIAGNOSTICS
 # Bump when what the diagnostics compute changes (part of the key).
-DIAGNOSTICS_VERSION = 2  # 2: the noise variant, first-token agreement and the findings
+DIAGNOSTICS_VERSION = 3  # 2: the noise variant, first-token agreement and the findings; 3: first divergences
+# name their decode step and acceptance length (decode_step, acceptance_length)
 EXAMPLES = 8  # first-divergence examples kept
 
 

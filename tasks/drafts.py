@@ -168,10 +168,17 @@ class ReplayModels:
         return head.embed_weight.to(self.device), head.head_weight.to(self.device)
 
     def load(self) -> tuple[DFlashDrafter, torch.Tensor, torch.Tensor]:
-        """(drafter, embedding, lm_head), checked to fit each other."""
-        drafter, (embed, lm_head) = self.drafter(), self.token_head()
+        """(drafter, embedding, lm_head), checked to fit each other. The token head is loaded once per process
+        (GBs for a large target), whatever number of checkpoints it drafts for (`run` over a training run's
+        folder; a Dask worker's shards)."""
+        drafter = self.drafter()
+        embed, lm_head = load_once(self.token_head_key, self.token_head)
         check_compatible(drafter.cfg, embed.shape[1], embed.shape[0])
         return drafter, embed, lm_head
+
+    @property
+    def token_head_key(self) -> tuple:
+        return ("token head", self.target_dir, self.dtype, self.device)
 
 
 def draft_group(models: ReplayModels, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
@@ -211,7 +218,7 @@ def draft_shard(store_location: str, drafts_key: str, models: ReplayModels, feat
         # loaded once per worker process, whatever number of shards it drafts (the head shared by its drafters)
         drafter = load_once(("drafter", models.checkpoint.key, models.sliding_semantics, models.dtype, models.device),
                             lambda: models.drafter(checkpoint_dir))
-        embed, lm_head = load_once(("token head", models.target_dir, models.dtype, models.device), models.token_head)
+        embed, lm_head = load_once(models.token_head_key, models.token_head)
         check_compatible(drafter.cfg, embed.shape[1], embed.shape[0])
         reader = FeatureReader(features, local_refs, models.target_dir, store, models.dtype, models.device)
         with replay_threads(drafter, stop - start):

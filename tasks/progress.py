@@ -1,32 +1,14 @@
 """Progress of a long stage, in the terminal (a rich bar) and in Prefect (a progress artifact and logs)."""
 
 import logging
-import re
 import sys
 import time
-from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.exceptions import MissingContextError
-from prefect.runtime import flow_run
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
-
-def series_key(target: str, prompts: str) -> str:
-    """The artifact key prefix of a target and prompt set (a series): lowercase letters, digits and dashes."""
-    name = f"{Path(str(target).rstrip('/')).name}-{Path(str(prompts)).stem}".lower()
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-")[:60] or "dflash"
-
-
-def progress_key(stage: str) -> str:
-    """The progress artifact key of a stage in this flow run: `<series>-<stage>-progress`, so evaluations of
-    different targets or prompt sets never share one."""
-    parameters = flow_run.parameters or {}
-    if "target" in parameters and "prompts" in parameters:
-        return f"{series_key(parameters['target'], parameters['prompts'])}-{stage}-progress"
-    return f"{stage}-progress"
 
 
 def in_run() -> bool:
@@ -65,8 +47,9 @@ def stage_logger() -> logging.Logger | logging.LoggerAdapter:
 class StageProgress:
     """Counts `total` units of work; use as a context manager and call `update(done)`.
 
-    Prefect shows a progress artifact (key `<series>-<stage>-progress`, progress_key) updated at most once a second and a log
-    line every quarter; the terminal shows a bar when stderr is one.
+    Prefect shows a progress artifact on the flow run's page, updated at most once a second (without a key: the
+    Artifacts page keeps the results of each series, not the progress of every run), and a log line every
+    quarter; the terminal shows a bar when stderr is one.
     """
 
     def __init__(self, stage: str, description: str, total: int, log_quarters: bool = True):
@@ -79,7 +62,8 @@ class StageProgress:
         )
         self.bar_task = self.bar.add_task(description, total=total)
         # outside a run (the command line's input checks) there is no run to attach an artifact to
-        self.artifact = create_progress_artifact(0.0, key=progress_key(stage), description=description) if in_run() else None
+        self.artifact = (create_progress_artifact(0.0, description=f"{stage}: {description}") if in_run()
+                         else None)
         self.last_push = 0.0
         self.logged_quarter = 0
 

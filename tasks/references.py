@@ -27,6 +27,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 from transformers import AutoTokenizer
 
+from dflash_core.checkpoint_files import model_name
 from dflash_core.prompts import (
     Prompt,
     prompt_set_identity,
@@ -207,6 +208,7 @@ def generate_references(
     samples: int = 1,
     seed: int = 0,
     given: str | None = None,
+    target_name: str | None = None,
 ):
     """Completions from the target in this process (reference="local") or a server (see
     dflash_core.reference.backends): greedy, or `samples` per prompt sampled with `sampling`, seeded from
@@ -214,10 +216,12 @@ def generate_references(
     so its last decode step is scored against a whole block. `given`: a completions file
     (dflash_core.prompts.read_completions) whose completions are stored instead (prompts_source is not read).
     reference_api_key_file: a file holding the server's API key (else $DFLASH_REFERENCE_API_KEY);
-    the key is sent, never part of the references' key."""
+    the key is sent, never part of the references' key. target_name: how series titles call the target
+    (default: tasks.target.model_name), recorded when the entry is made, never part of its key."""
     store = Store(store_location)
+    target_name = target_name or model_name(target_dir)
     if given is not None:
-        return store_given_references(given, target_dir, store, thinking, refresh)
+        return store_given_references(given, target_dir, store, thinking, refresh, target_name)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompts = read_prompts(resolve_prompts(prompts_source), tokenizer, thinking=thinking,
                            vocab_size=read_target_config(target_dir).vocab_size)
@@ -298,6 +302,7 @@ def generate_references(
             backend=backend.identity, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
             lookahead=lookahead, unverified=unverified,
             backend_fingerprint=None if fingerprint is None else key_of(fingerprint), sampling=sampled,
+            target_name=target_name,
         ).to_record()
 
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
@@ -309,7 +314,7 @@ def generate_references(
 
 
 def store_given_references(path: str, target_dir: str, store: Store, thinking: bool = False,
-                           refresh: bool = False) -> ReferenceSet:
+                           refresh: bool = False, target_name: str | None = None) -> ReferenceSet:
     """The references stage for completions you already have: the file's completions, stored as a references
     entry keyed by their content (and the target's, whose tokenizer read them), one seq_<n>.json per line."""
     target_config = read_target_config(target_dir)
@@ -330,6 +335,7 @@ def store_given_references(path: str, target_dir: str, store: Store, thinking: b
             n_prompts=len(completions), n=len(completions), prompts=str(path), target=str(target_dir),
             backend={"kind": "given", "file": str(path)}, max_new_tokens=max(len(c.completion_ids) for c in completions),
             stop_token_ids=tuple(sorted(stop_ids)), lookahead=0, unverified=sum(c.retokenized for c in completions),
+            target_name=target_name or model_name(target_dir),
         ).to_record()
 
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)

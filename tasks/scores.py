@@ -17,7 +17,7 @@ from .stage import cached, get_or_compute
 
 STAGE = Stage.SCORES
 # Bump when the metrics change (part of the key).
-SCORES_VERSION = 2
+SCORES_VERSION = 3  # 3: position acceptance with counts and intervals
 
 
 @dataclass(frozen=True)

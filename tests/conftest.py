@@ -9,6 +9,7 @@ lane and stays under 2 minutes on 2 cores. Every slow test still runs in CI.
 import copy
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +24,10 @@ os.environ["DFLASH_SETTLE_SECONDS"] = "0"
 # Rich wraps CLI error panels at the terminal width (80 when there is none), which splits messages
 # holding long temp paths mid-phrase; tests read whole messages.
 os.environ["TERMINAL_WIDTH"] = "1000"
+# Under pytest-xdist (the README's `pytest -n 2`) the workers share the cores: each computes on one thread,
+# and so does every process a test starts (it inherits this). Read by torch when it is first imported.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests import tiny_models
 from tests.tiny_models import first_prompts
@@ -90,13 +95,56 @@ def qwen2_5_vl_dir(tmp_path_factory):
     return tiny_models.build_qwen2_5_vl(tmp_path_factory.mktemp("qwen2_5_vl"))
 
 
-# The tiny TRAINED target and drafter run: built once per machine (cached by a hash of the builder's
+def pytest_sessionstart(session):
+    """A parallel run of the whole suite (`pytest -n 2`, the README's) first builds the trained tiny runs the cache
+    lacks, two at a time, and trains the planted drafters beside the tests (tests/trained_runs.py): the workers
+    would otherwise build them one by one while the other waits."""
+    config = session.config
+    parallel = getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput")
+    whole = not config.args or all(Path(a).is_dir() for a in config.args)
+    if parallel and whole and "not slow" not in (config.option.markexpr or ""):
+        from tests.trained_runs import build_before_a_parallel_session
+
+        config.stash[PLANTED_BUILDER] = build_before_a_parallel_session()
+
+
+def pytest_sessionfinish(session):
+    builder = session.config.stash.get(PLANTED_BUILDER, None)
+    if builder is not None and builder.poll() is None:  # the session ended early: it is not needed any more
+        builder.kill()
+        builder.wait()
+
+
+PLANTED_BUILDER = pytest.StashKey()
+
+
+# Under `pytest -n 2` a module's tests run on one worker (--dist loadscope), handed out in collection order: the
+# modules that take longest go first, so that the session does not end with one worker on a long module while the
+# other idles: the slowest modules of a parallel run's `--durations` (setup and calls together), slowest first.
+# test_planted_bugs goes last: its drafters train meanwhile (pytest_sessionstart).
+LONGEST_FIRST = ("test_sampling", "test_deployments", "test_faults", "test_cluster", "test_ui_screenshots",
+                 "test_pipeline_s3", "test_first_run", "test_serve_killed", "test_reference_backends",
+                 "test_served_settings", "test_pipeline")
+LAST = ("test_planted_bugs",)
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if module in LAST:
+            return len(LONGEST_FIRST) + 1
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's own order is kept
+
+
+# The tiny TRAINED target and drafter runs: built once per machine (cached by a hash of the builder's
 # code and settings under $DFLASH_TINY_CACHE or ~/.cache/dflash-eval/tiny), a few minutes when missing.
 @pytest.fixture(scope="session")
 def tiny_qwen3_run():
-    from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
+    from tests.trained_runs import trained_run
 
-    return tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
+    return trained_run("qwen3")
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +159,9 @@ def tiny(tiny_qwen3_run, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_5_run():
-    from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
-    from dflash_core.tiny.training import DrafterTrainingSettings
+    from tests.trained_runs import trained_run
 
-    # two saved steps are enough here (the Qwen3 fixture covers tau rising with training)
-    settings = TinyBuildSettings(arch="qwen3_5", drafter_training=DrafterTrainingSettings(steps=200, save_every=100))
-    return tiny_run(default_cache_root(), settings)
+    return trained_run("qwen3_5")
 
 
 @pytest.fixture(scope="session")

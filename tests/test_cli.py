@@ -98,3 +98,48 @@ def test_an_evaluation_checks_its_inputs_once_by_hand_and_without_the_command_li
     assert len(calls) == 1  # by the command line, before Prefect started; the flow run took what it found
     evaluate_checkpoint(**parameters)  # as a deployment's run starts it: no command line before it
     assert len(calls) == 2
+
+
+def test_run_help_groups_its_options_in_panels_and_shows_no_type_for_flags():
+    result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    panels = [line.split("─ ")[1].split(" ─")[0] for line in result.output.splitlines() if line.startswith("╭─ ")]
+    assert panels == ["Options", "Inputs", "References", "Scoring", "Checkpoints", "Compute", "Store and output",
+                      "Training run"]
+    for form in ("SpecForge save", "relay URL", "training run's folder"):
+        assert form in result.output
+    for command in (["run"], ["stage"], ["demo"], ["serve"], ["watch"], ["serve-reference"], ["history"], ["report"],
+                    ["verify"], ["relay", "serve"], ["relay", "ls"], ["tiny", "build"], []):
+        shown = CliRunner().invoke(app, [*command, "--help"], env={"COLUMNS": "200"}).output
+        assert "<bool>" not in shown, command  # flags take no value
+        assert ".py" not in shown, command  # help names behaviour, not source files
+
+
+def test_a_config_file_gives_defaults_that_the_command_line_overrides(tmp_path):
+    config = tmp_path / "team.toml"
+    config.write_text('target = "/nonexistent/from-file"\nmax-new-tokens = 8\nname = "Org/Model"\n')
+    base = ["run", "--config", str(config), "--drafter", str(tmp_path), "--prompts", "math"]
+    from_file = CliRunner().invoke(app, base)
+    assert from_file.exit_code == 2 and "error: target /nonexistent/from-file is not a directory" in from_file.output
+    overridden = CliRunner().invoke(app, [*base, "--target", "/nonexistent/from-line"])
+    assert overridden.exit_code == 2 and "error: target /nonexistent/from-line is not" in overridden.output
+    config.write_text("targett = 1\n")
+    mistyped = CliRunner().invoke(app, base)
+    assert mistyped.exit_code == 2
+    assert "'targett' is no option of `" in mistyped.output and " run` (its options: all-positions," in mistyped.output
+    config.write_text("target = [\n")
+    assert CliRunner().invoke(app, base).output.startswith(f"error: Invalid value for --config: {config}: ")
+
+
+def test_run_names_say_the_checkpoint_its_step_once_and_what_ran(tmp_path):
+    from dflash_eval.flows.evaluate import run_name
+
+    assert run_name("/runs/a/step_400") == "a/step_400"  # not "step_400 step 400"
+    assert run_name("http://relay:8700/run1/step_1000") == "run1/step_1000"
+    assert run_name("/runs/a/step_400", until="diagnostics") == "a/step_400 with diagnostics"
+    assert run_name("/runs/a/step_400", until="features") == "a/step_400 stage features"
+    assert run_name("/runs/a/step_400", refresh=["drafts"]) == "a/step_400 rerun drafts"
+    saved = tmp_path / "run" / "epoch_2"  # a name without the step, which its config holds
+    saved.mkdir(parents=True)
+    (saved / "config.json").write_text('{"step": 1000}')
+    assert run_name(str(saved)) == "run/epoch_2 step 1000"

@@ -240,6 +240,7 @@ def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
                              "--step", "300"], env={**os.environ, "PREFECT_API_URL": prefect_server["url"]},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "sent dflash.checkpoint.saved" in result.stdout, result.stdout + result.stderr
+    assert "Still processing items" not in result.stdout + result.stderr  # delivered before "sent", not at exit
     with client_of(prefect_server) as client:
         (run,) = wait_for(lambda: [r for r in evaluation_runs(client) if r.id not in before], 90,
                           "the event's flow run")

@@ -92,12 +92,12 @@ def test_sliding_switch_and_first_divergences(run_dir, diagnosed):
     assert d["first_divergence"]
     for example in d["first_divergence"]:
         steps = by_id[example["id"]]
-        k = example["accepted"]
+        k = example["acceptance_length"] - 1  # the drafts accepted before the first rejected one
         # the drafted block matches the reference up to the first rejected draft, which the replay recorded
         assert example["drafted_tokens"][:k] == example["reference_tokens"][:k]
         assert example["drafted_tokens"][k] != example["reference_tokens"][k]
-        assert steps["rejected_drafts"][example["step"]] == example["drafted_tokens"][k]
-        assert all(r == -1 for r in steps["rejected_drafts"][:example["step"]])
+        assert steps["rejected_drafts"][example["decode_step"]] == example["drafted_tokens"][k]
+        assert all(r == -1 for r in steps["rejected_drafts"][:example["decode_step"]])
         assert example["context"] and example["drafted"] and example["reference"]
 
 
@@ -135,16 +135,13 @@ def test_artifacts_of_a_run_are_in_prefect(run_dir, diagnosed):
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from dflash_eval.tasks.progress import series_key
-
     results, flow_run_id = diagnosed[-1]
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
     by_key = {a.key: a for a in artifacts if a.key}
-    series = series_key(str(run_dir["tiny"].target_dir), str(run_dir["prompts"]))
-    assert {f"{series}-scores", f"{series}-summary", f"{series}-report", f"{series}-history",
-            f"{series}-drafts-progress"} <= set(by_key)
+    series = results["series"]["key"]
+    assert set(by_key) == {f"{series}-scores", f"{series}-summary", f"{series}-report", f"{series}-history"}
     table = by_key[f"{series}-scores"].data
     table = json.loads(table) if isinstance(table, str) else table
     assert {"metric": "tau macro", "value": f"{results['tau_macro']:.3f}"} in table

@@ -202,10 +202,10 @@ def diagnostics_of(tau: float) -> dict:
         ],
         "sliding_switch": None,
         "first_divergence": [
-            {"id": "tiny-003", "category": "code", "step": 4, "position": 40, "accepted": 2,
+            {"id": "tiny-003", "category": "code", "decode_step": 4, "position": 40, "acceptance_length": 3,
              "context": "def f(x):\n    return <script>alert('x')</script>", "drafted": " x + 1\n  ",
              "reference": " x & 2"},
-            {"id": "tiny-007", "category": "code", "step": 0, "position": 32, "accepted": 0,
+            {"id": "tiny-007", "category": "code", "decode_step": 0, "position": 32, "acceptance_length": 1,
              "context": "import os", "drafted": "\nimport re", "reference": "\n\nfrom ```pathlib``` import Path"},
         ],
     }
@@ -232,7 +232,7 @@ def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored
     assert any(image["alt"] == "layer ablation" for image in page.images)
     assert any(image["alt"] == "layer offset probe" for image in page.images)
     examples = page.table_after("prompt")
-    assert examples[0] == ["prompt", "category", "step", "position", "accepted", "context", "drafted", "reference"]
+    assert examples[0] == ["prompt", "category", "decode step", "position", "acceptance length", "context", "drafted", "reference"]
     assert examples[1][5:] == ["def f(x):\n    return <script>alert('x')</script>", " x + 1\n  ", " x & 2"]
     assert "<script>" not in text and "&lt;script&gt;alert(" in text and " x &amp; 2" in text  # escaped
     assert "white-space: pre-wrap" in text
@@ -352,7 +352,7 @@ def test_missing_steps_regressions_and_baselines(tmp_path):
     assert [r[1] for r in table[1:]][-3:] == ["a/final", "z-lab/Target-8B-DFlash-b16", "other/drafter"]
     assert table[1][3:6] == ["2.90 - 3.30", "3.000", "3.600"] and table[7][3] == "-" and table[9][5] == "-"
     # a/final was scored after every step: the newest
-    assert "Projected speedup of the newest checkpoint, a/final (tau 4.30)" in text
+    assert "Speedup upper bound of the newest checkpoint, a/final (tau 4.30)" in text
     categories = page.table_after("category")
     assert categories == [  # the newest two candidates and the baselines
         ["category", "prompts", "a/step_5000", "a/final", "z-lab/Target-8B-DFlash-b16 (baseline)",
@@ -425,7 +425,7 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
     assert [(r[1], r[-1]) for r in page.table_after("step")[1:]] == \
         [("a/zz-untrained", ""), ("a/step_100", ""), ("a/step_200", "best"), ("a/step_300", "REGRESSION"),
          ("a/aa-export", "")]
-    assert "Projected speedup of the newest checkpoint, a/aa-export" in text
+    assert "Speedup upper bound of the newest checkpoint, a/aa-export" in text
     assert page.table_after("category")[0] == ["category", "prompts", "a/step_300", "a/aa-export"]
 
     def summary(label, step):
@@ -440,7 +440,11 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
     assert "No training step" in summary("aa-export", None)
     assert "No earlier step to compare with" in summary("step_100", 100)
     regressed = summary("step_300", 300)
-    assert "**REGRESSION**" in regressed and "| previous step | a/step_200 | 200 |" in regressed
+    # step_200 is both the previous step and the best other checkpoint: one row says so
+    assert "**REGRESSION**" in regressed and "| previous step, best other | a/step_200 | 200 |" in regressed
+    assert "best other checkpoint" not in regressed
+    best = summary("step_200", 200)  # its previous step and the best other checkpoint differ: two rows
+    assert "| previous step | a/step_100 |" in best and "| best other checkpoint | a/aa-export |" in best
 
     result = CliRunner().invoke(app, ["history", "--store", str(store.root)])
     assert result.exit_code == 0, result.output
@@ -449,3 +453,17 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
         [("a/zz-untrained", ""), ("a/step_100", ""), ("a/step_200", "best"), ("a/step_300", "REGRESSION"),
          ("a/aa-export", "")]
     assert "2025-01-01 00:" in rows[0][-3]  # when it was first scored
+
+
+def test_a_summary_links_a_copy_of_the_plot_that_later_runs_never_overwrite(tmp_path):
+    from dflash_eval.flows.artifacts import kept_copy
+
+    (tmp_path / "img").mkdir()
+    plot = tmp_path / "img" / "group1-tau-by-step.png"
+    plot.write_bytes(b"today's plot")
+    first = kept_copy(tmp_path, "img/group1-tau-by-step.png")
+    plot.write_bytes(b"tomorrow's plot")  # a later run redraws the group's plot
+    second = kept_copy(tmp_path, "img/group1-tau-by-step.png")
+    assert first.startswith("img/tau-by-step-") and first != second
+    assert (tmp_path / first).read_bytes() == b"today's plot" and (tmp_path / second).read_bytes() == b"tomorrow's plot"
+    assert kept_copy(tmp_path, "img/group1-tau-by-step.png") == second  # the same picture: the same file

@@ -1,5 +1,6 @@
-"""benchmarks/ui_screenshots.py end to end: a Prefect server, the tiny run's steps evaluated, four pages
-(runs list, flow run, history artifact, served report) screenshotted in headless Chromium, tau on each."""
+"""benchmarks/ui_screenshots.py end to end: a Prefect server, the tiny run's steps evaluated in three series, five
+pages (the runs list, whole and filtered by one series, a flow run, the history artifact, the served report)
+screenshotted in headless Chromium, tau on each, and no series mixed with another."""
 
 import os
 import subprocess
@@ -23,7 +24,7 @@ def test_ui_screenshots(tmp_path):
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     pngs = sorted(out.glob("*.png"))
-    assert [p.stem for p in pngs] == ["artifact-history", "flow-run", "report", "runs"], result.stdout
+    assert [p.stem for p in pngs] == ["artifact-history", "flow-run", "report", "runs-series", "runs"], result.stdout
     for png in pngs:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
         assert png.stat().st_size > 20_000, f"{png} is {png.stat().st_size} bytes: a blank page?"

@@ -17,6 +17,7 @@ Both take `log` (a line per finished step) and `progress` (how far the long step
 target, its greedy references, training the drafter, scoring the saved steps; see training.Progress).
 """
 
+import fcntl
 import hashlib
 import inspect
 import json
@@ -24,7 +25,8 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -232,13 +234,22 @@ def tiny_run(cache_root: str | Path, settings: TinyBuildSettings = TinyBuildSett
              log: Callable[[str], None] | None = print, progress: Progress | None = None) -> TinyRun:
     """The cached build for these settings under cache_root/<key>, built first if missing."""
     final = Path(cache_root) / tiny_run_key(settings)
-    if (final / BUILD_RECORD).exists():
-        return TinyRun(final, json.loads((final / BUILD_RECORD).read_text()))
-    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    build_tiny(partial, settings, log, progress)
-    try:
-        partial.rename(final)
-    except OSError:  # another process finished the same build first: use theirs
-        shutil.rmtree(partial, ignore_errors=True)
+    if not (final / BUILD_RECORD).exists():
+        with building(final):  # another process building the same run: wait for it, then use its build
+            if not (final / BUILD_RECORD).exists():
+                partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+                shutil.rmtree(partial, ignore_errors=True)
+                build_tiny(partial, settings, log, progress)
+                shutil.rmtree(final, ignore_errors=True)  # a folder without its record is no build
+                partial.rename(final)
     return TinyRun(final, json.loads((final / BUILD_RECORD).read_text()))
+
+
+@contextmanager
+def building(folder: Path) -> Iterator[None]:
+    """Hold `<folder>.lock` (an flock, which the OS releases if this process dies): one process at a time
+    builds into `folder`, so processes that need the same build at once build it once."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(folder.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

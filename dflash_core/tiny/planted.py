@@ -50,15 +50,14 @@ def planted_run(tiny: TinyRun, bug: str | None, log=print) -> Path:
         "code": hashlib.sha256("".join(inspect.getsource(m) for m in (training, build, sys.modules[__name__]))
                                .encode()).hexdigest()}, sort_keys=True).encode()).hexdigest()[:12]
     final = tiny.root / "planted" / f"{bug or 'clean'}-{key}"
-    if (final / f"step_{STEPS}").is_dir():
-        return final
-    partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    _train(tiny, bug, partial, log)
-    try:
-        partial.rename(final)
-    except OSError:  # another process built it first
-        shutil.rmtree(partial, ignore_errors=True)
+    if not (final / f"step_{STEPS}").is_dir():
+        with build.building(final):  # another process training the same run: wait for it, then use its run
+            if not (final / f"step_{STEPS}").is_dir():
+                partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
+                shutil.rmtree(partial, ignore_errors=True)
+                _train(tiny, bug, partial, log)
+                shutil.rmtree(final, ignore_errors=True)  # a folder without its last step is no run
+                partial.rename(final)
     return final
 
 

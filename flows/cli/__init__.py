@@ -12,6 +12,7 @@ Importing this package imports neither torch nor Prefect: each command imports w
 """
 
 import os
+from typing import Annotated
 
 import typer
 
@@ -27,6 +28,22 @@ for commands in (evaluation.app, serving.app, reference.app, store.app):
     app.add_typer(commands)  # no name: their commands are top-level ones
 app.add_typer(tiny.app, name="tiny")
 app.add_typer(relay.app, name="relay")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        from importlib.metadata import version
+
+        typer.echo(f"dflash-eval {version('dflash-eval')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    _version: Annotated[bool, typer.Option("--version", callback=_print_version, is_eager=True,
+                                           help="Print the version and exit.")] = False,
+) -> None:
+    """Evaluate DFlash speculative-decoding drafters offline."""
 
 
 def main():

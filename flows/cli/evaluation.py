@@ -11,11 +11,12 @@ import typer
 
 from dflash_eval.flows.disk_full import is_storage_full, storage_full_message
 
-from .common import configure_threads, fail, open_store, start_local_server, write_results
+from .common import configure_threads, fail, local_server_needed, open_store, start_local_server, write_results
 from .options import (
     Baseline,
     ByHand,
     Drafter,
+    Drafters,
     Inputs,
     Settings,
     Stage,
@@ -32,7 +33,18 @@ app = typer.Typer()
 def evaluate(parameters: dict, out: Path | None = None) -> dict:
     """Check the inputs and the results file `out` (one clear error, nothing written), then run the flow with
     these parameters, handing it the checked inputs."""
-    configure_threads(parameters.get("threads"))
+    results = evaluate_each([parameters], out)[0]
+    assert results is not None  # one checkpoint: its failure exited
+    return results
+
+
+def evaluate_each(each: list[dict], out: Path | None = None) -> list[dict | None]:
+    """Evaluate several checkpoints in this process, each a flow run of its own: every one's inputs are checked
+    before any runs (a bad one: one clear error, nothing computed), then they run in turn, sharing Prefect's
+    temporary server and what the process loaded (the target's head). A checkpoint that fails while it runs (a
+    refused save, a relay gone) is said in one line and the next one runs; with several, its results are None.
+    `out`: the results file (one checkpoint) or folder (several, checked here, written by the caller)."""
+    configure_threads(each[0].get("threads"))
     from dflash_core.drafter_config import DrafterError
     from dflash_core.reference.backends import BackendError
     from dflash_eval.flows.checks import InputError, check_evaluation, check_out
@@ -50,20 +62,42 @@ def evaluate(parameters: dict, out: Path | None = None) -> dict:
     explained = (InputError, DrafterError, CheckpointError, RelayError, CheckpointDamaged, BackendError,
                  ObjectStorageError)
     try:
-        check_out(out)
-        bound = inspect.signature(evaluate_checkpoint.fn).bind(**parameters)
-        bound.apply_defaults()
-        checked = check_evaluation(bound.arguments)
-        start_local_server()  # after the checks: bad input costs no server start-up
-        with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
-                _heartbeats_unless_asked():
-            return evaluation_flow(checked)(**parameters)
+        check_out(out, folder=len(each) > 1)
+        checked = []
+        for parameters in each:
+            bound = inspect.signature(evaluate_checkpoint.fn).bind(**parameters)
+            bound.apply_defaults()
+            checked.append(check_evaluation(bound.arguments))
     except explained as e:
         fail(str(e))
-    except OSError as e:
-        if not is_storage_full(e):
-            raise
-        fail(storage_full_message(e, open_store(parameters.get("store"))))
+    start_local_server()  # after the checks: bad input costs no server start-up
+    found: list[dict | None] = []
+    for inputs, parameters in zip(checked, each):
+        try:
+            with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
+                    _heartbeats_unless_asked():
+                state = evaluation_flow(inputs)(**parameters, return_state=True)
+                found.append(state.result())
+            _say_where_the_run_is(state.state_details.flow_run_id)
+        except explained as e:
+            if len(each) == 1:
+                fail(str(e))
+            typer.secho(f"error: {parameters['drafter']}: {e}", err=True, fg="red")
+            found.append(None)
+        except OSError as e:
+            if not is_storage_full(e):
+                raise
+            fail(storage_full_message(e, open_store(parameters.get("store"))))
+    return found
+
+
+def _say_where_the_run_is(flow_run_id) -> None:
+    """The flow run's page in the Prefect UI, on stdout (Prefect's own "View at" line goes to stderr), when a
+    server of its own serves it: the temporary server's pages end with this command."""
+    from prefect.utilities.urls import url_for
+
+    if flow_run_id is not None and not local_server_needed() and (url := url_for("flow-run", obj_id=flow_run_id)):
+        typer.echo(f"flow run: {url}")
 
 
 @contextmanager
@@ -175,23 +209,76 @@ def _print_diagnostics(console, d: dict) -> None:
                       f"reference {divergence['reference']!r}", markup=False)
 
 
-def _evaluate_by_hand(drafter: str, inputs: Inputs, by_hand: ByHand, settings: Settings, **parameters) -> None:
-    """`run` and `stage`: evaluate, print what it found, write the results JSON."""
+def _evaluate_by_hand(drafters: list[str], inputs: Inputs, by_hand: ByHand, settings: Settings,
+                      **parameters) -> None:
+    """`run` and `stage`: evaluate each checkpoint, print what it found, write the results JSON (several: one file
+    each in the --out folder, and a table of them all at the end)."""
     if inputs.prompts is None and by_hand.references is None:
         fail("give --prompts (a suite or a prompt file), or --references FILE (completions you already have)")
     prompts = inputs.prompts or absolute(by_hand.references)  # names the series when only completions are given
-    results = evaluate({"drafter": drafter, "target": inputs.target, "prompts": prompts, "store": inputs.store,
-                        "max_new_tokens": inputs.max_new_tokens, **by_hand.parameters(), **settings.parameters(),
-                        **parameters}, out=by_hand.out)
-    _print_results(results)
-    write_results(results, by_hand.out)
+    common = {"target": inputs.target, "prompts": prompts, "store": inputs.store,
+              "max_new_tokens": inputs.max_new_tokens, **by_hand.parameters(), **settings.parameters(), **parameters}
+    checkpoints = checkpoints_named(drafters, inputs.store, settings.settle_seconds)
+    found = evaluate_each([{**common, "drafter": checkpoint} for checkpoint in checkpoints], out=by_hand.out)
+    for results in found:
+        if results is not None:
+            _print_results(results)
+    if len(checkpoints) == 1:
+        write_results(found[0], by_hand.out)
+        return
+    names = results_names(checkpoints)
+    for name, results in zip(names, found):
+        if results is not None and by_hand.out:
+            write_results(results, by_hand.out / f"{name}.json")
+    typer.echo(f"\n{'checkpoint':<32}  {'step':>6}  {'tau macro':>9}  ran")
+    for name, results in zip(names, found):
+        if results is None:
+            typer.echo(f"{name:<32}  {'-':>6}  {'failed':>9}  (its error is above)")
+            continue
+        step = results["drafter"]["step"]
+        ran = ", ".join(s for s, status in results["stages"].items() if status == "ran") or "nothing (all cached)"
+        typer.echo(f"{name:<32}  {'-' if step is None else step:>6}  {results['tau_macro']:9.3f}  {ran}")
+    if None in found:
+        fail(f"{found.count(None)} of {len(checkpoints)} checkpoints failed (each said why above); the others' results "
+             "are in the store")
+
+
+def checkpoints_named(drafters: list[str], store: str | None, settle_seconds: float) -> list[str]:
+    """The checkpoints the --drafter options name, in order. A folder on this machine that is no checkpoint itself
+    but holds some (a training run's) stands for its finished ones, in step order (those without a step last, by
+    path); one still being written is left out. Anything else is one checkpoint, as given (fetch checks it)."""
+    from dflash_core.checkpoint_files import checkpoint_files
+    from dflash_eval.storage.relay.local_checkpoints import LocalCheckpoints
+
+    found = []
+    for drafter in drafters:
+        folder = Path(drafter)
+        if "://" in drafter or not folder.is_dir() or checkpoint_files(folder) is not None:
+            found.append(drafter)
+            continue
+        listed = LocalCheckpoints(folder.resolve(), settle_seconds, open_store(store).digest_cache()).scan()
+        listed.sort(key=lambda c: (c["step"] is None, c["step"] or 0, c["path"]))
+        if not listed:
+            found.append(drafter)  # fetch says why it is no checkpoint
+            continue
+        typer.echo(f"{drafter}: {len(listed)} finished checkpoints, in step order: "
+                   + ", ".join(c["path"] for c in listed))
+        found += [str(folder.resolve() / c["path"]) for c in listed]
+    return found
+
+
+def results_names(checkpoints: list[str]) -> list[str]:
+    """A file name per checkpoint for the --out folder: its folder's name, with its parent's when two share one."""
+    names = [Path(c.rstrip("/")).name for c in checkpoints]
+    return [name if names.count(name) == 1 else "-".join(Path(c.rstrip("/")).parts[-2:])
+            for name, c in zip(names, checkpoints)]
 
 
 @app.command(epilog=example("dflash-eval run --target runs/tiny/target", "--drafter runs/tiny/drafter/step_400",
                             "--prompts runs/tiny/prompts.jsonl --out results.json"))
 @option_groups
 def run(
-    drafter: Drafter, inputs: Inputs, by_hand: ByHand, settings: Settings, baseline: Baseline = None,
+    drafter: Drafters, inputs: Inputs, by_hand: ByHand, settings: Settings, baseline: Baseline = None,
     report_dir: Annotated[str | None, typer.Option("--report-dir", help="Where the report is rewritten after "
                                                    "scoring (default <store>/report).")] = None,
     diagnostics: Annotated[bool, typer.Option("--diagnostics", help="Also run the diagnostics: layer ablation, "
@@ -201,7 +288,9 @@ def run(
                                                 "(all_positions_tau: every position weighed once, as training losses "
                                                 "do).")] = False,
 ):
-    """Evaluate a drafter checkpoint: tau on the prompts, computing only what the store lacks."""
+    """Evaluate drafter checkpoints: tau on the prompts, computing only what the store lacks. Several --drafter
+    options, or a training run's folder, evaluate each checkpoint in turn in this one process: each its own flow
+    run with its own results, the target's head loaded once."""
     _evaluate_by_hand(drafter, inputs, by_hand, settings, baseline=baseline, report_dir=report_dir,
                       until="diagnostics" if diagnostics else "scores", all_positions=all_positions)
 
@@ -216,7 +305,7 @@ def stage(
     refresh: Annotated[bool, typer.Option("--refresh", help="Recompute it even if the store has it.")] = False,
 ):
     """Run one stage by hand (and the stages it needs, from the store when they are there)."""
-    _evaluate_by_hand(drafter, inputs, by_hand, settings, until=name.value, refresh=[name.value] if refresh else [])
+    _evaluate_by_hand([drafter], inputs, by_hand, settings, until=name.value, refresh=[name.value] if refresh else [])
 
 
 @app.command(epilog=example("dflash-eval demo --store .dflash-store --out demo-results"))

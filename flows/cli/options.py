@@ -5,8 +5,10 @@ and `notify` included, builds these before it runs.
 A value outside an option's choices gets the one line every refused input gets (`OneLineChoiceErrors`).
 """
 
+import copy
 import functools
 import inspect
+import tomllib
 from dataclasses import MISSING, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
@@ -14,7 +16,8 @@ from typing import Annotated, get_type_hints
 
 import typer
 from typer._click.exceptions import BadParameter, UsageError  # typer's own click
-from typer.core import TyperGroup
+from typer.core import TyperGroup, TyperOption
+from typer.models import OptionInfo
 
 from dflash_core.choices import AUTO_DTYPE, DEFAULT_REPLAY_GROUP, DTYPE_NAMES, SLIDING_SEMANTICS, STAGE_DTYPE_NAMES
 from dflash_eval.flows.choices import DEVICES, STAGES
@@ -63,13 +66,33 @@ class OneLineChoiceErrors(TyperGroup):
             raise typer.Exit(2) from None
 
 
+def _no_type_for_flags(display_type_rich):
+    """typer shows `<bool>` beside every flag (`--diagnostics  <bool>`), as if it took a value: show nothing."""
+
+    @functools.wraps(display_type_rich)
+    def display(self, ctx):
+        return None if self.is_flag else display_type_rich(self, ctx)
+
+    return display
+
+
+TyperOption.display_type_rich = _no_type_for_flags(TyperOption.display_type_rich)  # type: ignore[method-assign]
+
+
 def example(*lines: str) -> str:
     """A command's epilog: an example to copy and paste (lines after the first are continuations)."""
     return "Example:\n\n" + " \\\n    ".join(lines)
 
 
 Target = Annotated[str, typer.Option("--target", help="Target model folder (Hugging Face format).")]
-Drafter = Annotated[str, typer.Option("--drafter", help="Drafter checkpoint folder (config.json + model.safetensors).")]
+CHECKPOINT_FORMS = ("a folder (a Hugging Face export: config.json + model.safetensors; a SpecForge save: "
+                    "epoch_E_step_N or run-stepN, with --drafter-config when it has no config), or a relay URL "
+                    "(http://RELAY:8700/RUN/step_N)")
+Drafter = Annotated[str, typer.Option("--drafter", help=f"The drafter checkpoint: {CHECKPOINT_FORMS}.")]
+Drafters = Annotated[list[str], typer.Option(
+    "--drafter", help=f"The drafter checkpoint: {CHECKPOINT_FORMS}; or a training run's folder: each of its finished "
+    "checkpoints, in step order. Repeat it to evaluate several in this one process (--out is then a folder: a "
+    "results file per checkpoint).")]
 Prompts = Annotated[str | None, typer.Option("--prompts", help="A suite (math, code, chat, multiturn) or a JSONL file: "
                                              "id + one of text/messages/turns/input_ids, optional category.")]
 BlockSizes = Annotated[str | None, typer.Option(
@@ -92,6 +115,9 @@ MlflowOption = Annotated[str | None, typer.Option(
 DivergenceWindow = Annotated[int, typer.Option(
     "--divergence-window", min=3, help="Saves the diverging alarm fits its slopes over (training accuracy rising "
     "while tau does not).")]
+TargetName = Annotated[str | None, typer.Option(
+    "--name", help="How series titles and tags call the target (default: the Hub id in its config or cache path, "
+    "else its folder's name); recorded with its references the first time they are made.")]
 ReferencesFile = Annotated[str | None, typer.Option(
     "--references", help="Completions you already have (a JSONL file: id, input_ids and completion_ids, or a "
     "text/messages prompt and a completion text), e.g. a server's logged outputs: stored as the references instead "
@@ -151,14 +177,14 @@ SettleSeconds = Annotated[float, typer.Option(
 Threads = Annotated[int | None, typer.Option(
     "--threads", min=1, help="CPU threads torch computes with in this process (default: $OMP_NUM_THREADS, else this "
     "machine's cores shared by the runs by hand computing on it at the time; ops of small models take fewer, where "
-    "that is faster; see tasks/threads.py).")]
+    "that is faster).")]
 ReplayGroup = Annotated[int, typer.Option(
     "--replay-group", min=1, help=f"Prompts the drafts stage replays together (their blocks share replay's batches, "
     f"so it is part of the drafts key unless {DEFAULT_REPLAY_GROUP}); on a Dask cluster, one shard each.")]
 DaskAddress = Annotated[str | None, typer.Option(
     "--dask", envvar="DFLASH_DASK_ADDRESS", metavar="ADDRESS", help="Compute the features and drafts stages on the "
     "workers of the Dask scheduler at ADDRESS (tcp://HOST:PORT), shard by shard; the workers need this package, "
-    "the store and the target at the same path (tasks/cluster.py). Default: this process.")]
+    "the store and the target at the same path. Default: this process.")]
 ResultsOut = Annotated[Path | None, typer.Option("--out", help="Write the results JSON here (its folder is created if need be; checked "
                                                  "before any work).")]
 
@@ -206,6 +232,7 @@ class Settings(OptionGroup):
     tensorboard: TensorboardOption = None
     mlflow: MlflowOption = None
     divergence_window: DivergenceWindow = 4
+    target_name: TargetName = None
 
     def parameters(self) -> dict:
         """These as flow parameters: choices by name, files as absolute paths (flow runs may start elsewhere)."""
@@ -221,7 +248,7 @@ class Settings(OptionGroup):
                 "step_cost": absolute(self.step_cost) if self.step_cost else None,
                 "training_log": absolute(self.training_log) if self.training_log else None,
                 "tensorboard": absolute(self.tensorboard) if self.tensorboard else None, "mlflow": self.mlflow or None,
-                "divergence_window": self.divergence_window}
+                "divergence_window": self.divergence_window, "target_name": self.target_name}
 
 
 @dataclass(frozen=True)
@@ -241,10 +268,65 @@ class ByHand(OptionGroup):
                 "threads": self.threads, "references": absolute(self.references) if self.references else None}
 
 
+# The panels the help of an evaluating command (run, stage, serve, watch) shows its options in, by parameter name;
+# an option not named here shows under typer's "Options".
+PANELS = {
+    "Inputs": ("target", "drafter", "prompts", "references", "max_new_tokens", "thinking", "target_name", "baseline",
+               "config"),
+    "References": ("reference", "reference_api_key_file", "concurrency", "temperature", "top_k", "top_p", "min_p",
+                   "samples", "seed", "lookahead"),
+    "Scoring": ("block_size", "block_sizes", "step_cost", "sliding_semantics", "all_positions", "diagnostics"),
+    "Checkpoints": ("drafter_config", "include", "checkpoint_wait", "settle_seconds", "relay_token_file"),
+    "Compute": ("dtype", "device", "threads", "replay_group", "dask_address"),
+    "Store and output": ("store", "out", "report_dir"),
+    "Training run": ("training_log", "tensorboard", "mlflow", "divergence_window"),
+}
+PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
+
+
+def in_panel(name: str, annotation):
+    """`annotation` (an Annotated[..., typer.Option(...)]) with its option shown in PANEL_OF[name]'s panel."""
+    info = next((m for m in getattr(annotation, "__metadata__", ()) if isinstance(m, OptionInfo)), None)
+    if info is None or name not in PANEL_OF or info.rich_help_panel is not None:
+        return annotation
+    placed = copy.copy(info)
+    placed.rich_help_panel = PANEL_OF[name]
+    return Annotated[(annotation.__origin__, placed, *(m for m in annotation.__metadata__ if m is not info))]
+
+
+def read_config(ctx: typer.Context, value: Path | None) -> Path | None:
+    """--config FILE: a TOML file whose keys are this command's options (`max-new-tokens` or `max_new_tokens`) and
+    whose values become their defaults, so the command line overrides them, as lm-eval-harness's and Prefect's
+    own settings files do. Relative paths in it are taken from where the command runs, as on the command line."""
+    if value is None:
+        return None
+    try:
+        found = tomllib.loads(value.read_text())
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        raise BadParameter(f"{value}: {getattr(e, 'strerror', None) or e}", param_hint="--config") from None
+    # by the option's own name (--max-new-tokens: max-new-tokens or max_new_tokens), to the parameter it sets
+    options = {opt.lstrip("-").replace("-", "_"): p.name for p in ctx.command.params
+               if isinstance(p, TyperOption) and p.name != "config" for opt in p.opts}
+    defaults = {}
+    for key, setting in found.items():
+        if (name := options.get(key.replace("-", "_"))) is None:
+            raise BadParameter(f"{value}: {key!r} is no option of `{ctx.command_path}` (its options: "
+                               f"{', '.join(sorted(o.replace('_', '-') for o in options))})", param_hint="--config")
+        defaults[name] = setting
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
+
+
+ConfigFile = Annotated[Path | None, typer.Option(
+    "--config", is_eager=True, callback=read_config, metavar="FILE", help="A TOML file of this command's options "
+    "(e.g. target, prompts, store, reference, thinking, temperature): what a team fixes once. The command line "
+    "overrides it.")]
+
+
 def option_groups(command):
     """Let `command` take OptionGroup dataclasses as parameters: its command line shows each of their fields as
-    an option of its own (the field's Annotated type and default), and the command is called with the
-    dataclass. Options that several commands share are so declared once, with their defaults."""
+    an option of its own (the field's Annotated type and default, in its PANELS panel), and the command is called
+    with the dataclass. Options that several commands share are so declared once, with their defaults."""
     hints = get_type_hints(command, include_extras=True)
     groups, parameters = {}, []
     for name, parameter in inspect.signature(command).parameters.items():
@@ -252,18 +334,32 @@ def option_groups(command):
         if isinstance(annotation, type) and issubclass(annotation, OptionGroup):
             groups[name] = annotation
             field_types = get_type_hints(annotation, include_extras=True)
-            parameters += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=field_types[f.name],
+            parameters += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY,
+                                             annotation=in_panel(f.name, field_types[f.name]),
                                              default=inspect.Parameter.empty if f.default is MISSING else f.default)
                            for f in fields(annotation)]
         else:
-            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY, annotation=annotation))
+            parameters.append(parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY,
+                                                annotation=in_panel(name, annotation)))
+    parameters.append(inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=in_panel("config", ConfigFile)))
 
     @functools.wraps(command)
     def run(**values):
+        values.pop("config")  # read by its callback into the other options' defaults
         for name, group in groups.items():
             values[name] = group(**{f.name: values.pop(f.name) for f in fields(group)})
         return command(**values)
 
+    panels = list(PANELS)
+
+    def panel_order(parameter: inspect.Parameter) -> int:  # arguments first, then the panels in PANELS order
+        info = next((m for m in getattr(parameter.annotation, "__metadata__", ()) if isinstance(m, OptionInfo)), None)
+        if info is None:
+            return -1
+        return panels.index(info.rich_help_panel) if info.rich_help_panel in panels else len(panels)
+
+    parameters.sort(key=panel_order)
     run.__signature__ = inspect.Signature(parameters)  # what typer reads the options from
     run.__annotations__ = {p.name: p.annotation for p in parameters}
     return run

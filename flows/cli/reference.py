@@ -27,7 +27,7 @@ def serve_reference(
                                                      "needs none.")] = None,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads each generation computes with "
                                                 "(default: $OMP_NUM_THREADS, else every core, fewer for a target this "
-                                                "small that decodes faster so; see tasks/threads.py).")] = None,
+                                                "small that decodes faster so).")] = None,
 ):
     """Serve the target's greedy completions over HTTP (SGLang /generate, OpenAI /v1/completions)
     until killed: a reference server for tests and for machines without SGLang or vLLM."""

@@ -28,7 +28,7 @@ def serve(
     settings: Settings, baseline: Baseline = None,
     threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads each evaluation computes with "
                                                 "(the flow parameter `threads`; default: the cores / the machine's "
-                                                "heavy-stage slots, see tasks/threads.py).")] = None,
+                                                "heavy-stage slots).")] = None,
     poll_seconds: Annotated[float, typer.Option("--poll-seconds", min=0.05, help="How often to ask the server for flow "
                                                 "runs to start (Prefect's own default is 10 s; each ask is one small "
                                                 "query).")] = 0.25,
@@ -43,8 +43,8 @@ def serve(
 ):
     """Serve the deployments on this machine without a work pool (Prefect's runner), until interrupted:
     evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
-    rerun-<stage>. Each flow run is a fork of a process that has imported torch and the flows already
-    (flows/warm_runs.py). Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api. The report
+    rerun-<stage>. Each flow run is a fork of a process that has imported torch and the flows already, so
+    it starts in a second, not ten. Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api. The report
     every run rewrites, <store>/report, is served at http://<report host>:<report port>/ ($DFLASH_REPORT_URL,
     if set, is the address the runs link to instead: a reverse proxy's)."""
     from dflash_eval.flows.deployments import serve_deployments

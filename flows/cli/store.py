@@ -1,6 +1,8 @@
 """What the store holds: `history` (tau by step), `report` (plots, served on demand) and `verify` (every byte
 checked, optionally repaired)."""
 
+import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
@@ -19,8 +21,12 @@ TrainingLogForRelay = Annotated[str | None, typer.Option(
     "is not on this machine); local checkpoints' run folders are found by themselves.")]
 
 
+JsonOutput = Annotated[bool, typer.Option("--json", help="Print JSON for scripts instead of tables (warnings still go "
+                                          "to stderr).")]
+
+
 @app.command("history", epilog=example("dflash-eval history --store .dflash-store"))
-def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay = None):
+def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay = None, as_json: JsonOutput = False):
     """Tau of every scored checkpoint in the store, by training step (checkpoints without one by when they
     were first scored, never by path), with the best one and regressions (a 95% interval entirely below the
     best earlier step's; a checkpoint without a step is never flagged: its place among the steps is unknown).
@@ -33,6 +39,9 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
 
     opened = open_existing_store(store)
     groups = history_telling_what_is_left_out(opened)
+    if as_json:
+        typer.echo(json.dumps(history_json(opened, groups, training_log), indent=2))
+        return
     if not groups:
         typer.echo(f"no scored checkpoint in {opened.location}")
         return
@@ -61,6 +70,37 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
                 console.print(f"{flag.kind.upper()} (step {flag.step}): {flag.message}", markup=False)
             for problem in side.log.problems:
                 console.print(f"warning: {problem}", markup=False)
+
+
+def history_json(store, groups: list, training_log: str | None) -> dict:
+    """What `history` shows, for scripts: {"store", "series": [{"key", "title", "setting", "rows": [...]}]}, each row
+    with its step, checkpoint, tau and interval, its verdict and, where the training log is found, what the trainer's
+    numbers imply and the alarm's flags at that step."""
+    from dflash_eval.flows.training_side import training_sides
+
+    series = []
+    for group in groups:
+        sides = training_sides(group, relay_logs(group, training_log))
+        rows = []
+        for row in group.rows:
+            side = next((s for s in sides if any(r is row for r in s.rows)), None)
+            implied = side.implied(row) if side else None
+            rows.append({
+                "series": group.series, "step": row.step, "checkpoint": row.label, "source": row.source,
+                "checkpoint_key": row.checkpoint, "scores_key": row.scores, "tau_macro": row.tau_macro,
+                "tau_macro_ci95": list(row.tau_macro_ci95) if row.tau_macro_ci95 else None,
+                "tau_pooled": row.tau_pooled, "all_positions_tau": row.all_positions_tau,
+                "first_scored": row.scored_at.isoformat() if row.scored_at else None, "baseline": row.baseline,
+                "best": row.best, "regression": row.regression,
+                "trainer_implies": implied[0] if implied else None,
+                "flags": [f.kind for f in side.flags_at(row.step)] if side else [],
+            })
+        series.append({"key": group.series, "title": group.title, "setting": group.setting,
+                       "sliding_semantics": group.sliding_semantics, "chosen_block_size": group.chosen_block_size,
+                       "features_key": group.features, "rows": rows,
+                       "flags": [{"kind": f.kind, "step": f.step, "message": f.message}
+                                 for side in sides for f in side.flags]})
+    return {"store": store.location, "series": series}
 
 
 def history_telling_what_is_left_out(store) -> list:
@@ -143,6 +183,7 @@ def verify_command(
     repair: Annotated[bool, typer.Option("--repair", help="Remove what is damaged or stale (entry markers, damaged "
                                          "files, damaged feature arrays), so that the next run recomputes exactly "
                                          "that.")] = False,
+    as_json: JsonOutput = False,
 ):
     """Check every entry of the store: its entry.json, the sha256 of every file and of every feature array,
     chunk files, JSON that parses, and whether it was built on content that has changed since (stale).
@@ -152,6 +193,15 @@ def verify_command(
 
     opened = open_existing_store(store)
     report = verify_store(opened, repair=repair)
+    if as_json:
+        typer.echo(json.dumps({"store": opened.location, "entries": report.entries, "arrays": report.arrays,
+                               "problems": [asdict(p, dict_factory=_problem_fields) for p in report.problems],
+                               "incomplete": report.incomplete, "busy": report.busy,
+                               "repaired": [asdict(p, dict_factory=_problem_fields) for p in report.repaired]},
+                              indent=2))
+        if report.problems:
+            raise typer.Exit(1)
+        return
     for problem in report.problems:
         typer.echo(str(problem))
     for name in report.incomplete:
@@ -169,3 +219,8 @@ def verify_command(
                    "next run recomputes exactly that")
     if report.problems:
         raise typer.Exit(1)
+
+
+def _problem_fields(items: list[tuple]) -> dict:
+    """A verify problem as --json prints it: stage, key, kind, what, reason (not the repair's own records)."""
+    return {name: value for name, value in items if name in ("stage", "key", "kind", "what", "reason")}

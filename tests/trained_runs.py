@@ -1,0 +1,74 @@
+"""The trained tiny runs the tests share (conftest's fixtures) and the drafters trained with a bug planted
+(tests/test_planted_bugs.py): built once per machine into the tiny cache ($DFLASH_TINY_CACHE, else
+~/.cache/dflash-eval/tiny), about 15 minutes of one core in all when missing.
+
+`pytest -n 2` runs two workers on one thread each, and the first to need a run would build it while the other
+waits for it. So before a parallel session starts, conftest builds the trained runs that are missing two at a
+time, then trains the planted drafters at a low priority while the tests run (`build_before_a_parallel_session`),
+each builder a process of its own on one thread:
+
+    python -m tests.trained_runs qwen3 planted:clean ...
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from dflash_core.tiny.build import BUILD_RECORD, TinyBuildSettings, TinyRun, default_cache_root, tiny_run, tiny_run_key
+from dflash_core.tiny.training import DrafterTrainingSettings
+
+RUNS = {
+    "qwen3": TinyBuildSettings(arch="qwen3"),
+    # two saved steps are enough here (the Qwen3 run covers tau rising with training)
+    "qwen3_5": TinyBuildSettings(arch="qwen3_5", drafter_training=DrafterTrainingSettings(steps=200, save_every=100)),
+}
+PLANTED = ("planted:clean", "planted:leaked_block", "planted:shifted_label", "planted:noisy_features",
+           "planted:last_layer_shortcut", "planted:noisy_logits")
+
+
+def trained_run(name: str) -> TinyRun:
+    """The trained run `name` (a key of RUNS), built first if the cache lacks it."""
+    return tiny_run(default_cache_root(), RUNS[name])
+
+
+def build(jobs: list[str]) -> None:
+    """Build each job in turn: a key of RUNS, or `planted:<bug>` (`planted:clean`: the clean twin)."""
+    from dflash_core.tiny.planted import planted_run
+
+    for job in jobs:
+        if job.startswith("planted:"):
+            bug = job.removeprefix("planted:")
+            planted_run(trained_run("qwen3"), None if bug == "clean" else bug)
+        else:
+            trained_run(job)
+
+
+def build_before_a_parallel_session() -> subprocess.Popen | None:
+    """Build the trained runs the cache lacks two at a time (one process each, one thread each) and wait for them;
+    then start training the planted drafters in a process of its own at a low priority, which uses the cores
+    while the tests wait on servers and processes (tests/test_planted_bugs.py runs last, and waits for what is not
+    built yet). Returns that process (None when nothing is missing); a failed build raises with its output's end."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    builders = {name: subprocess.Popen([sys.executable, "-m", "tests.trained_runs", name], cwd=root, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for name in RUNS if not (tiny_run_folder(name) / BUILD_RECORD).exists()}
+    failed = []
+    for name, builder in builders.items():
+        output, _ = builder.communicate()
+        if builder.returncode != 0:
+            failed.append(f"{name} failed ({builder.returncode}):\n{output[-3000:]}")
+    if failed:
+        raise RuntimeError("building the trained tiny runs: " + "\n".join(failed))
+    return subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "tests.trained_runs", *PLANTED], cwd=root,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def tiny_run_folder(name: str) -> Path:
+    """Where the trained run `name` is (or will be) cached."""
+    return default_cache_root() / tiny_run_key(RUNS[name])
+
+
+if __name__ == "__main__":
+    build(sys.argv[1:])
