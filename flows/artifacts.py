@@ -30,7 +30,7 @@ from dflash_eval.storage.schema import Stage
 
 from .history import Group, HistoryRow, find_group, history, paired_interval
 from .report_server import report_url
-from .training_side import TrainingSide
+from .training_side import TrainingSide, side_of
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
 RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
@@ -54,7 +54,7 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
         if group.best:
             described += f", best {group.best.label} {group.best.tau_macro:.3f}"
         row = found[1]
-        side = next((s for s in (training or {}).get(groups.index(group), ()) if any(r is row for r in s.rows)), None)
+        side = side_of((training or {}).get(groups.index(group), ()), row)
         create_table_artifact(key=keys["history"], table=history_table(group, side), description=described)
     report = plot = None
     try:

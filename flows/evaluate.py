@@ -26,7 +26,6 @@ computed each shard.
 import inspect
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
 
 from prefect import Flow, flow, get_client, get_run_logger
 from prefect.runtime import flow_run
@@ -37,7 +36,7 @@ from dflash_core.choices import DEFAULT_REPLAY_GROUP, SLIDING_SEMANTICS
 from dflash_eval.flows.artifacts import publish
 from dflash_eval.flows.checks import EvaluationInputs, InputError, check_evaluation
 from dflash_eval.flows.choices import STAGES, DeviceName, StageName
-from dflash_eval.flows.history import find_group, history, series_key
+from dflash_eval.flows.history import find_group, history, series_key, source_name
 from dflash_eval.flows.results import StageRuns, evaluation_results, outcome
 from dflash_eval.flows.tracker import track
 from dflash_eval.flows.training_side import DEFAULT_WINDOW
@@ -50,7 +49,6 @@ from dflash_eval.tasks.fetch import (
     DEFAULT_WAIT_SECONDS,
     CheckpointError,
     fetch_checkpoint,
-    is_relay_url,
     source_step,
 )
 from dflash_eval.tasks.heavy import heavy_stages_at_once
@@ -311,8 +309,7 @@ def run_name(drafter: str, until: str = "scores", refresh=None) -> str:
     does not end in its step already (`run1/epoch_2`), then `rerun <stage>` for refreshed stages, `with
     diagnostics` for a full evaluation that adds them, or `stage <stage>` for one stage asked for, so a full
     evaluation, a stage rerun by hand and one from the UI read differently in the runs list."""
-    parts = Path(urlsplit(str(drafter)).path if is_relay_url(str(drafter)) else str(drafter).rstrip("/")).parts
-    name = "/".join(parts[-2:]) or str(drafter)
+    name = source_name(str(drafter)) or str(drafter)
     step = source_step(drafter)
     if step is not None and step_from_name(name) != step:
         name += f" step {step}"

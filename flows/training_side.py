@@ -102,6 +102,11 @@ class TrainingSide:
                 "flags": [{"kind": f.kind, "step": f.step, "message": f.message} for f in self.flags]}
 
 
+def side_of(sides, row: HistoryRow) -> TrainingSide | None:
+    """The training run's side among `sides` that holds `row` (None: the row's run has no log found)."""
+    return next((s for s in sides if any(r is row for r in s.rows)), None)
+
+
 def training_run_of(source: str) -> str:
     """The training run a checkpoint source belongs to: the folder or URL its checkpoint folder sits in."""
     return source.rstrip("/").rsplit("/", 1)[0]

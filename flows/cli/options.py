@@ -284,9 +284,14 @@ PANELS = {
 PANEL_OF = {name: panel for panel, names in PANELS.items() for name in names}
 
 
+def option_info(annotation) -> OptionInfo | None:
+    """The typer.Option(...) of an Annotated[..., typer.Option(...)], else None (an argument, a plain type)."""
+    return next((m for m in getattr(annotation, "__metadata__", ()) if isinstance(m, OptionInfo)), None)
+
+
 def in_panel(name: str, annotation):
     """`annotation` (an Annotated[..., typer.Option(...)]) with its option shown in PANEL_OF[name]'s panel."""
-    info = next((m for m in getattr(annotation, "__metadata__", ()) if isinstance(m, OptionInfo)), None)
+    info = option_info(annotation)
     if info is None or name not in PANEL_OF or info.rich_help_panel is not None:
         return annotation
     placed = copy.copy(info)
@@ -354,7 +359,7 @@ def option_groups(command):
     panels = list(PANELS)
 
     def panel_order(parameter: inspect.Parameter) -> int:  # arguments first, then the panels in PANELS order
-        info = next((m for m in getattr(parameter.annotation, "__metadata__", ()) if isinstance(m, OptionInfo)), None)
+        info = option_info(parameter.annotation)
         if info is None:
             return -1
         return panels.index(info.rich_help_panel) if info.rich_help_panel in panels else len(panels)

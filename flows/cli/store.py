@@ -35,7 +35,7 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_eval.flows.training_side import training_sides
+    from dflash_eval.flows.training_side import side_of, training_sides
 
     opened = open_existing_store(store)
     groups = history_telling_what_is_left_out(opened)
@@ -59,7 +59,7 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
             cells = ["baseline" if row.baseline else step, row.label, f"{row.tau_macro:.3f}",
                      f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row.tau_pooled:.3f}", scored, row.mark]
             if sides:
-                side = next((s for s in sides if any(r is row for r in s.rows)), None)
+                side = side_of(sides, row)
                 implied = side.implied(row) if side else None
                 cells += [f"{implied[0]:.2f}" if implied else "-",
                           ", ".join(f.kind for f in side.flags_at(row.step)) if side else ""]
@@ -76,14 +76,14 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
     """What `history` shows, for scripts: {"store", "series": [{"key", "title", "setting", "rows": [...]}]}, each row
     with its step, checkpoint, tau and interval, its verdict and, where the training log is found, what the trainer's
     numbers imply and the alarm's flags at that step."""
-    from dflash_eval.flows.training_side import training_sides
+    from dflash_eval.flows.training_side import side_of, training_sides
 
     series = []
     for group in groups:
         sides = training_sides(group, relay_logs(group, training_log))
         rows = []
         for row in group.rows:
-            side = next((s for s in sides if any(r is row for r in s.rows)), None)
+            side = side_of(sides, row)
             implied = side.implied(row) if side else None
             rows.append({
                 "series": group.series, "step": row.step, "checkpoint": row.label, "source": row.source,
