@@ -47,8 +47,8 @@ def best_of(n: int, fn) -> float:
 def extraction(args, work: Path) -> None:
     import shutil
 
-    from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
     from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
     from tests.dask_cluster import Cluster
 
     tiny = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))

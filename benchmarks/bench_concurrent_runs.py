@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
+from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
 
 CLI = str(Path(sys.executable).with_name("dflash-eval"))
 

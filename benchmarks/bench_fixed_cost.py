@@ -29,8 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a plain checkout, not installed too
 from benchmarks.prefect_server import BIN, api, free_port, start_prefect_server, stop  # noqa: E402
-from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
 from dflash_eval.flows.evaluate import run_name  # noqa: E402
+from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
 
 
 def timestamp(text: str) -> float:

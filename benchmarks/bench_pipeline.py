@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from prefect import flow
 
-from dflash_core.tiny.build import default_cache_root, tiny_run
 from dflash_eval.flows.evaluate import evaluate_checkpoint
 from dflash_eval.storage.feature_store import FeatureStore
+from dflash_eval.tiny.build import default_cache_root, tiny_run
 
 
 @flow

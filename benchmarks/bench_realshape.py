@@ -197,7 +197,7 @@ def stage_agreement() -> dict:
     from dflash_core.features import extract_features
     from dflash_core.replay import Reference, replay
     from dflash_core.target import load_target
-    from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
+    from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
 
     run = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
     target = load_target(run.target_dir, dtype=torch.float32)

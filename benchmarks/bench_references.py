@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoTokenizer
 
-from dflash_core.reference.backends import SGLangBackend
 from dflash_core.target import read_target_config
-from dflash_core.tiny.build import default_cache_root, tiny_run
+from dflash_eval.services.reference.backends import SGLangBackend
+from dflash_eval.tiny.build import default_cache_root, tiny_run
 
 
 def start_server(target_dir) -> tuple[subprocess.Popen, str]:

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import requests
 
+from dflash_eval.services.relay.client import RelayClient
 from dflash_eval.storage.hashing import file_sha256
-from dflash_eval.storage.relay.client import RelayClient
 
 
 def start_relay(root: Path, state: Path, max_rate_mb: float | None = None) -> tuple[subprocess.Popen, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a plain checkout, not installed too
 from benchmarks.prefect_server import BIN  # noqa: E402
-from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
+from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
 
 
 def dflash_eval(*arguments: str, env: dict) -> float:

@@ -2,7 +2,7 @@
 
 One command that needs nothing but the repo (no downloads, no network), to be run once on a CUDA machine:
 
-  1. replay == online loop, CUDA, float32. The tiny trained run (dflash_core.tiny.build, built on first use and
+  1. replay == online loop, CUDA, float32. The tiny trained run (dflash_eval.tiny.build, built on first use and
      cached under $DFLASH_TINY_CACHE or ~/.cache/dflash-eval/tiny; its key includes the torch version, so a CUDA
      build of torch builds it afresh). tiny_build has no device option: the build trains on the CPU (a few
      minutes on 2 cores; --threads gives it more). For --prompts held-out prompts: greedy references, features,
@@ -42,7 +42,7 @@ from dflash_core.drafter import load_drafter
 from dflash_core.features import extract_features
 from dflash_core.replay import Reference, replay
 from dflash_core.target import load_target
-from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
+from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
 
 
 def sync(device):

@@ -3,7 +3,7 @@
 Starts a Prefect server (`prefect server start` on a free port, a temporary PREFECT_HOME, analytics off,
 PREFECT_UI_API_URL pointing at that port: without it the UI's /ui-settings say
 http://127.0.0.1:4200/api and every page shows "Can't connect to Server API at http://127.0.0.1:4200/api"),
-evaluates each drafter step of the tiny trained Qwen3 run (dflash_core.tiny.build) with `dflash-eval run`, and
+evaluates each drafter step of the tiny trained Qwen3 run (dflash_eval.tiny.build) with `dflash-eval run`, and
 its first step in two more series (half the new tokens in the same store; another store), checks through the
 API that no series mixes (the runs tagged `series:<key>` and the `<key>-history` artifact hold exactly the
 taus evaluated in that series), starts the report server (`dflash-eval report --serve`), then opens four pages in headless Chromium:
@@ -55,7 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs from a plain checkout, not installed too
 from benchmarks.prefect_server import BIN, api, free_port, start_prefect_server, stop  # noqa: E402
-from dflash_core.tiny.build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
+from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run  # noqa: E402
 
 WINDOW = "1400,1000"
 BUDGETS_MS = (5000, 10000, 20000, 40000)  # virtual time per load, longer on each retry

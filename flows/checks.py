@@ -34,13 +34,13 @@ from dflash_core.checkpoint_files import (
 from dflash_core.choices import SLIDING_SEMANTICS
 from dflash_core.drafter_config import DrafterConfig, DrafterError, check_block_size, check_compatible
 from dflash_core.prompts import PromptError, read_completions
-from dflash_core.reference.backends import BackendError, open_backend
 from dflash_core.sampling import Sampling
 from dflash_core.target import read_target_config
 from dflash_eval.flows.choices import DEVICES, STAGES
+from dflash_eval.services.reference.backends import BackendError, open_backend
+from dflash_eval.services.relay.client import RelayError
 from dflash_eval.storage import Store
 from dflash_eval.storage.object_storage import ObjectStorageError
-from dflash_eval.storage.relay.client import RelayError
 from dflash_eval.storage.schema import Stage
 from dflash_eval.tasks.cluster import ClusterUnreachable, check_cluster
 from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, read_config
@@ -100,8 +100,8 @@ class EvaluationInputs:
     references: str | None  # a completions file stored as the references instead of generating them
     block_size: int | None  # verified tokens per step; None: the drafter's block size
     block_sizes: tuple[int, ...]  # --block-sizes: also drafted and scored at each of these (a sweep)
-    training_log: str | None  # the training run's log folder (flows.training_side); None: found from the source
-    tensorboard: str | None  # the TensorBoard run to write (flows.tracker); None: the training run's default
+    training_log: str | None  # the training run's log folder (reporting.training_side); None: found from the source
+    tensorboard: str | None  # the TensorBoard run to write (reporting.tracker); None: the training run's default
     mlflow: str | None  # an MLflow tracking URI to write the same into; None: none
     divergence_window: int  # saves the diverging alarm fits over
     target_name: str  # how series titles and tags call the target: --name, else checkpoint_files.model_name

@@ -12,11 +12,11 @@ flows/results.py assembles what they returned.
 With `baseline` (e.g. the published drafter for the same target) that drafter is scored alongside
 (cached after its first run) and shows as its own row in `dflash-eval history` and the report.
 After scoring the flow rewrites the store's report and publishes Prefect artifacts under keys
-stable per target and prompt set (flows/artifacts.py).
+stable per target and prompt set (reporting/artifacts.py).
 
 A checkpoint from a training run whose log is found (its run folder, or `training_log`) is set beside
 what the trainer logged, with the train/eval alarm's flags, and its tau written into the run's
-TensorBoard (flows/training_side.py, flows/tracker.py); a missing or damaged log is a warning only.
+TensorBoard (reporting/training_side.py, reporting/tracker.py); a missing or damaged log is a warning only.
 
 With `dask_address` the features and drafts stages compute on the workers of that Dask cluster, shard by
 shard (tasks/cluster.py); the scheduler is asked before any stage runs, and the results say which worker
@@ -33,13 +33,13 @@ from prefect.states import Completed
 
 from dflash_core.checkpoint_files import step_from_name
 from dflash_core.choices import DEFAULT_REPLAY_GROUP, SLIDING_SEMANTICS
-from dflash_eval.flows.artifacts import publish
 from dflash_eval.flows.checks import EvaluationInputs, InputError, check_evaluation
 from dflash_eval.flows.choices import STAGES, DeviceName, StageName
-from dflash_eval.flows.history import find_group, history, series_key, source_name
 from dflash_eval.flows.results import StageRuns, evaluation_results, outcome
-from dflash_eval.flows.tracker import track
-from dflash_eval.flows.training_side import DEFAULT_WINDOW
+from dflash_eval.reporting.artifacts import publish
+from dflash_eval.reporting.history import find_group, history, series_key, source_name
+from dflash_eval.reporting.tracker import track
+from dflash_eval.reporting.training_side import DEFAULT_WINDOW
 from dflash_eval.storage import Store
 from dflash_eval.tasks.baselines import mark_baseline
 from dflash_eval.tasks.diagnostics import diagnose, layers_needed
@@ -271,7 +271,7 @@ def evaluation_flow(checked: EvaluationInputs | None = None, until: str | None =
                 decode step}, measured on the serving box: the projected speedup tau(b) / cost(b).
             training_log: The training run's folder on this machine, for checkpoints from a relay (a local
                 checkpoint's run folder is found by itself): the trainer's logged numbers beside tau, and the
-                alarm when training and evaluation disagree (flows/training_side.py).
+                alarm when training and evaluation disagree (reporting/training_side.py).
             tensorboard: The TensorBoard run tau by training step is written into (default
                 <training run>/runs/dflash-eval when that folder is on this machine and writable).
             mlflow: An MLflow tracking URI (http://HOST:PORT, file:DIR) to write the same into, an MLflow run of
@@ -322,7 +322,7 @@ def run_name(drafter: str, until: str = "scores", refresh=None) -> str:
 
 def run_tags(target_name: str, prompts: str, step: int | None, until: str = "scores", refresh=None) -> list[str]:
     """The tags a flow run gets when it starts: its target's name, prompt set and step, and `stage-rerun` unless it
-    is a full evaluation (`series:<key>` and `tau:<tau macro>` are added once it is scored: flows.history's
+    is a full evaluation (`series:<key>` and `tau:<tau macro>` are added once it is scored: reporting.history's
     series_key, which only the store's entries decide)."""
     tags = [f"target:{target_name}", f"prompts:{Path(str(prompts)).stem}"]
     if step is not None:

@@ -17,7 +17,7 @@ import types
 import prefect.flow_engine
 
 # What the served flows import (the report's matplotlib included); the forkserver imports it once.
-PRELOAD = ["dflash_eval.flows.evaluate", "dflash_eval.flows.watch", "dflash_eval.flows.report"]
+PRELOAD = ["dflash_eval.flows.evaluate", "dflash_eval.flows.watch", "dflash_eval.reporting.report"]
 
 
 def _forkserver_context(method: str | None = None):

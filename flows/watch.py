@@ -10,12 +10,12 @@ again by the next look (a new attempt, with its own key), up to MAX_ATTEMPTS tim
 from prefect import flow, get_run_logger
 from prefect.deployments import run_deployment
 
+from dflash_eval.services.relay.client import RelayClient
 from dflash_eval.storage import Store, key_of
-from dflash_eval.storage.relay.client import RelayClient
 from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, fetched_files, relay_token
 
 from .evaluate import run_name
-from .history import history
+from dflash_eval.reporting.history import history
 
 EVALUATE_DEPLOYMENT = "evaluate-checkpoint/evaluate-checkpoint"
 MAX_ATTEMPTS = 3  # evaluations of one checkpoint that failed before the watcher gives up on it

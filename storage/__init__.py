@@ -1,8 +1,6 @@
-"""What lands on disk, and checkpoints arriving: the content-addressed store, its records and zarr feature arrays,
-and the checkpoint relay.
+"""What lands on disk: the content-addressed store, its records, zarr feature arrays, S3.
 
-Imports no Prefect, and of dflash_core only `dflash_core.checkpoint_files` (the files of a checkpoint folder, no
-torch), which the relay reads checkpoints with. `dflash_eval.storage.feature_store` imports torch and zarr, so it
+Imports no Prefect and nothing of dflash_core. `dflash_eval.storage.feature_store` imports torch and zarr, so it
 is not imported here: `from dflash_eval.storage.feature_store import FeatureStore`.
 """
 

@@ -1,6 +1,6 @@
 """Baselines stage: marks a checkpoint as scored as a baseline (`dflash-eval run --baseline`).
 
-One entry per checkpoint key, holding its source and step; flows/history.py lists such checkpoints
+One entry per checkpoint key, holding its source and step; reporting/history.py lists such checkpoints
 as rows of their own, never the best and never a regression.
 """
 

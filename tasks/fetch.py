@@ -1,7 +1,7 @@
 """Fetch stage: bring a drafter checkpoint into the store, verified, keyed by its files' digests.
 
 Sources: a local folder (or `file://` URL), or a relay URL `http(s)://relay:port/<path>` (see
-storage/relay/server.py). Only the files the drafter needs travel (`dflash_core.checkpoint_files`: config,
+services/relay/server.py). Only the files the drafter needs travel (`dflash_core.checkpoint_files`: config,
 weights, trainer_state.json, plus `include` patterns): optimizer, scheduler, RNG and per-rank state
 are never read, hashed, sent or stored. Both sources give the same key for the same files, so a
 checkpoint fetched once is never downloaded or copied again, whichever way it is named (a SpecForge
@@ -45,10 +45,10 @@ from dflash_core.checkpoint_files import (
 )
 from dflash_core.drafter_config import DrafterConfig, DrafterError, read_drafter_config
 from dflash_core.drafter_weights import check_drafter_weights, export_drafter_weights
+from dflash_eval.services.relay.client import RelayClient, RelayError, parse_checkpoint_url
+from dflash_eval.services.tokens import TokenFileError, read_token_file
 from dflash_eval.storage import Store, file_sha256, key_of
-from dflash_eval.storage.relay.client import RelayClient, RelayError, parse_checkpoint_url
 from dflash_eval.storage.schema import FetchRecord, Stage
-from dflash_eval.storage.tokens import TokenFileError, read_token_file
 
 from .progress import StageProgress, stage_logger
 from .stage import cached, get_or_compute, refusals_fail_cleanly

@@ -36,7 +36,10 @@ from dflash_core.prompts import (
     resolve_prompts,
     turn_prompt_ids,
 )
-from dflash_core.reference.backends import (
+from dflash_core.replay import Reference
+from dflash_core.sampling import GREEDY, Sampling, sample_seed
+from dflash_core.target import read_target_config
+from dflash_eval.services.reference.backends import (
     TOKENIZER_LOCK,
     BackendError,
     LocalBackend,
@@ -44,9 +47,6 @@ from dflash_core.reference.backends import (
     fingerprint_difference,
     open_backend,
 )
-from dflash_core.replay import Reference
-from dflash_core.sampling import GREEDY, Sampling, sample_seed
-from dflash_core.target import read_target_config
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.schema import ReferencesRecord, Stage
 
@@ -211,7 +211,7 @@ def generate_references(
     target_name: str | None = None,
 ):
     """Completions from the target in this process (reference="local") or a server (see
-    dflash_core.reference.backends): greedy, or `samples` per prompt sampled with `sampling`, seeded from
+    dflash_eval.services.reference.backends): greedy, or `samples` per prompt sampled with `sampling`, seeded from
     `seed`. lookahead > 0 (greedy only) also keeps that many greedy tokens past each completion's end,
     so its last decode step is scored against a whole block. `given`: a completions file
     (dflash_core.prompts.read_completions) whose completions are stored instead (prompts_source is not read).

@@ -49,7 +49,7 @@ def one_thread():
 def corpus():
     """(text, sha256) of the tiny target's corpus, cut to `tiny_models.CORPUS_BYTES` of standard library
     documents (a few seconds the first time: the standard library is parsed once per process)."""
-    from dflash_core.tiny import target as tiny_target
+    from dflash_eval.tiny import target as tiny_target
 
     return tiny_target.build_corpus(max_bytes=tiny_models.CORPUS_BYTES)
 
@@ -58,7 +58,7 @@ def corpus():
 def tokenizer(corpus):
     """The tiny target's tokenizer trained on `corpus`: a 512-token byte-level BPE with ChatML and DFlash
     special tokens and a ChatML chat template. Shared: copy it (`copy.deepcopy`) before changing it."""
-    from dflash_core.tiny import target as tiny_target
+    from dflash_eval.tiny import target as tiny_target
 
     return tiny_target.train_tokenizer(corpus[0])
 

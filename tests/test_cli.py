@@ -52,9 +52,9 @@ def test_the_choices_are_the_constants_the_code_checks_against():
     against."""
     from dflash_core.choices import SLIDING_SEMANTICS
     from dflash_core.target import DTYPES as SERVED_DTYPES
-    from dflash_core.tiny.target import DEFAULT_STEPS
     from dflash_eval.flows.cli.options import Arch, Dtype, ServedDtype, SlidingSemantics
     from dflash_eval.tasks.target import AUTO, DTYPE_CHOICES
+    from dflash_eval.tiny.target import DEFAULT_STEPS
 
     assert tuple(Dtype) == DTYPE_CHOICES
     assert tuple(ServedDtype) == (AUTO, *SERVED_DTYPES)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dflash_eval.flows.evaluate import STAGES
-from dflash_eval.storage.relay.server import RelayServer
+from dflash_eval.services.relay.server import RelayServer
 from tests.ports import free_port
 from tests.tiny_models import first_prompts
 
@@ -250,7 +250,7 @@ def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
     table = next(a.data for a in artifacts if a.key and a.key.endswith("-scores"))
     table = json.loads(table) if isinstance(table, str) else table
     tau = next(row["value"] for row in table if row["metric"] == "tau macro")
-    from dflash_eval.flows.history import history
+    from dflash_eval.reporting.history import history
     from dflash_eval.storage import Store
 
     (row,) = [r for g in history(Store(setup["store"])) for r in g.rows if r.step == 300]

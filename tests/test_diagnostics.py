@@ -112,7 +112,7 @@ def test_history_rises_with_training_and_shows_the_baseline(run_dir, diagnosed):
     from typer.testing import CliRunner
 
     from dflash_eval.flows.cli import app
-    from dflash_eval.flows.history import history
+    from dflash_eval.reporting.history import history
     from dflash_eval.storage import Store
 
     (group,) = history(Store(run_dir["store"]))
@@ -177,7 +177,7 @@ def test_a_regression_is_flagged_in_the_summary(run_dir, diagnosed):
 
 
 def test_all_positions_tau_is_scored_on_request(run_dir, diagnosed):
-    from dflash_eval.flows.history import history
+    from dflash_eval.reporting.history import history
     from dflash_eval.storage import Store
 
     results, _ = evaluate(run_dir, run_dir["tiny"].drafter_steps[-1], all_positions=True)

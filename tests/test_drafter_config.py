@@ -22,7 +22,7 @@ from dflash_core.drafter_config import (
     DrafterError,
     read_drafter_config,
 )
-from dflash_core.tiny import target as tiny_target
+from dflash_eval.tiny import target as tiny_target
 from tests.drafters import drafter_config, random_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")

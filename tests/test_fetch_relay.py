@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_eval.flows.cli import app
+from dflash_eval.services.relay.server import RelayServer
 from dflash_eval.storage import Store
-from dflash_eval.storage.relay.server import RelayServer
 from tests.tiny_models import first_prompts
 
 pytestmark = pytest.mark.slow

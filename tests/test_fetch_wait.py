@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dflash_eval.storage.relay.server import RelayServer
+from dflash_eval.services.relay.server import RelayServer
 from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint
 from tests.checkpoints import write_checkpoint
 

@@ -8,8 +8,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 # the folders and the package names they install as (pyproject.toml)
-PACKAGES = {"dflash_core": "dflash_core", "storage": "dflash_eval.storage", "tasks": "dflash_eval.tasks",
-            "flows": "dflash_eval.flows"}
+PACKAGES = {"dflash_core": "dflash_core", "storage": "dflash_eval.storage", "services": "dflash_eval.services",
+            "tasks": "dflash_eval.tasks", "flows": "dflash_eval.flows", "reporting": "dflash_eval.reporting",
+            "tiny": "dflash_eval.tiny"}
 LONGEST_MODULE = 600  # lines, unless the module's docstring says why (a paragraph "Why this module is long: ...")
 
 
@@ -73,10 +74,18 @@ def test_no_module_imports_itself_through_others():
     assert not circles, "import circles: " + "; ".join(" -> ".join(c) for c in circles)
 
 
+HTTP = ("requests", "urllib3", "http", "socketserver")  # HTTP servers and clients
 @pytest.mark.parametrize("package, forbidden", [
-    ("dflash_core", ("dflash_eval", "prefect")),  # the DFlash math knows nothing of Prefect or the store
-    ("dflash_eval.storage", ("dflash_eval.tasks", "dflash_eval.flows", "prefect")),
-    ("dflash_eval.tasks", ("dflash_eval.flows",)),
+    # the DFlash math and model/file handling: nothing of Prefect, the store, HTTP, trainers' logs or training
+    ("dflash_core", ("dflash_eval", "prefect", *HTTP, "tensorboard", "mlflow", "torch.optim")),
+    ("dflash_eval.storage", ("dflash_eval.services", "dflash_eval.tasks", "dflash_eval.flows", "dflash_eval.reporting",
+                             "dflash_eval.tiny", "prefect", *HTTP)),
+    ("dflash_eval.services", ("dflash_eval.tasks", "dflash_eval.flows", "dflash_eval.reporting", "dflash_eval.tiny",
+                              "prefect")),
+    ("dflash_eval.tasks", ("dflash_eval.flows", "dflash_eval.reporting", "dflash_eval.tiny")),
+    ("dflash_eval.reporting", ("dflash_eval.flows", "dflash_eval.tasks", "dflash_eval.tiny")),
+    ("dflash_eval.tiny", ("dflash_eval.storage", "dflash_eval.services", "dflash_eval.tasks", "dflash_eval.flows",
+                          "dflash_eval.reporting", "prefect")),
 ])
 def test_each_package_imports_only_what_its_job_needs(package, forbidden):
     known = modules()

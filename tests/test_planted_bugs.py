@@ -1,4 +1,4 @@
-"""The seed project's bugs, each planted in a drafter trained on the tiny target (dflash_core.tiny.planted):
+"""The seed project's bugs, each planted in a drafter trained on the tiny target (tests.planted):
 the train/eval alarm or a diagnostics detector names every one with its cause, and the clean twin, trained
 the same way without a bug, raises nothing.
 
@@ -8,7 +8,7 @@ Each run is evaluated through the flow with its training log found in its run fo
 
 import pytest
 
-from dflash_core.tiny.planted import PLANTED, planted_run
+from tests.planted import PLANTED, planted_run
 from tests.test_pipeline import MAX_NEW
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]

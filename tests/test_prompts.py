@@ -18,7 +18,7 @@ from dflash_core.prompts import (
     resolve_prompts,
     turn_prompt_ids,
 )
-from dflash_core.tiny import target as tiny_target
+from dflash_eval.tiny import target as tiny_target
 
 # A Qwen3-like template that reads `enable_thinking`: an empty think block when thinking is off.
 THINKING_TEMPLATE = tiny_target.CHAT_TEMPLATE + (

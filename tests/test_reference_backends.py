@@ -1,7 +1,7 @@
 """Reference backends against real servers on loopback: the same references from every backend,
 resumption across a server restart, mismatched servers refused before any work, faults retried.
 
-The servers are `dflash_core.reference.server.ReferenceServer` (SGLang /generate and OpenAI
+The servers are `dflash_eval.services.reference.server.ReferenceServer` (SGLang /generate and OpenAI
 /v1/completions wire formats) serving the tiny trained target.
 """
 
@@ -19,10 +19,16 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_core.prompts import resolve_prompts
-from dflash_core.reference.backends import API_KEY_ENV, FINGERPRINT_TEXTS, BackendError, OpenAIBackend, SGLangBackend
-from dflash_core.reference.server import ReferenceServer
 from dflash_core.target import read_target_config
-from dflash_core.tiny import target as tiny_target
+from dflash_eval.services.reference.backends import (
+    API_KEY_ENV,
+    FINGERPRINT_TEXTS,
+    BackendError,
+    OpenAIBackend,
+    SGLangBackend,
+)
+from dflash_eval.services.reference.server import ReferenceServer
+from dflash_eval.tiny import target as tiny_target
 from tests.ports import free_port
 from tests.tiny_models import first_prompts
 

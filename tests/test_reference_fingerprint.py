@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_core.reference.backends import BackendError
-from dflash_core.reference.server import ReferenceServer
+from dflash_eval.services.reference.backends import BackendError
+from dflash_eval.services.reference.server import ReferenceServer
 from dflash_eval.storage import Store
 from tests.tiny_models import first_prompts
 
@@ -155,7 +155,7 @@ def test_an_unchanged_server_resumes_and_the_fingerprint_costs_six_short_request
     """No false alarm: the same weights restarted resume the entry (A's KEPT references untouched), and
     the result equals local greedy decoding. The fingerprint, taken when resuming and before commit, is
     2 x 3 generation requests of 16 tokens (and 2 /tokenize), next to the references' requests."""
-    from dflash_core.reference.backends import FINGERPRINT_TEXTS, FINGERPRINT_TOKENS
+    from dflash_eval.services.reference.backends import FINGERPRINT_TEXTS, FINGERPRINT_TOKENS
 
     store = tmp_path / "store"
     shutil.copytree(interrupted[0], store)

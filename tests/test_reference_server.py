@@ -22,7 +22,9 @@ import torch
 from transformers import Qwen3ForCausalLM
 
 from dflash_core.decoding import decode, greedy_decode
-from dflash_core.reference.backends import (
+from dflash_core.sampling import Sampling
+from dflash_core.target import Target, load_target
+from dflash_eval.services.reference.backends import (
     API_KEY_ENV,
     BackendError,
     OpenAIBackend,
@@ -30,10 +32,8 @@ from dflash_core.reference.backends import (
     open_backend,
     reference_api_key,
 )
-from dflash_core.reference.server import ReferenceServer
-from dflash_core.sampling import Sampling
-from dflash_core.target import Target, load_target
-from dflash_core.tiny import target as tiny_target
+from dflash_eval.services.reference.server import ReferenceServer
+from dflash_eval.tiny import target as tiny_target
 from tests.tiny_models import qwen3_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -714,7 +714,7 @@ def test_deeply_nested_json_is_a_400(server):
 
 
 def test_a_body_over_the_cap_is_a_413_before_it_is_read(server):
-    from dflash_core.reference.server import MAX_BODY_BYTES
+    from dflash_eval.services.reference.server import MAX_BODY_BYTES
 
     with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), timeout=TIMEOUT) as s:
         s.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())

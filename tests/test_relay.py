@@ -10,9 +10,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
+from dflash_eval.services.relay.client import RelayClient, RelayError, parse_checkpoint_url
+from dflash_eval.services.relay.server import RelayServer
 from dflash_eval.storage.hashing import directory_digest, file_sha256
-from dflash_eval.storage.relay.client import RelayClient, RelayError, parse_checkpoint_url
-from dflash_eval.storage.relay.server import RelayServer
 from tests.checkpoints import settle, write_checkpoint
 
 MB = 1 << 20
@@ -247,7 +247,7 @@ def test_path_traversal_refused(tree, relay, tmp_path):
 
 def test_token_required_and_never_logged(tree, tmp_path, caplog):
     token = "s3cret-token-value"
-    with caplog.at_level(logging.DEBUG, logger="dflash_eval.storage.relay.server"):
+    with caplog.at_level(logging.DEBUG, logger="dflash_eval.services.relay.server"):
         with RelayServer(tree, token=token, state_dir=tmp_path / "state", settle_seconds=5) as relay:
             with pytest.raises(RelayError, match="refused the token: check --token-file"):
                 RelayClient(relay.url, token="wrong").list_checkpoints()

@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dflash_eval.storage.relay.client import RelayClient
-from dflash_eval.storage.relay.server import RelayServer
+from dflash_eval.services.relay.client import RelayClient
+from dflash_eval.services.relay.server import RelayServer
 from tests.checkpoints import settle, write_checkpoint
 from tests.test_relay import get
 

@@ -20,7 +20,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from dflash_eval.flows.cli import app
-from dflash_eval.flows.report import NothingToReport, write_report
+from dflash_eval.reporting.report import NothingToReport, write_report
 from dflash_eval.storage import Store, key_of, write_json_atomic
 from dflash_eval.storage.schema import (
     BaselineRecord,
@@ -213,7 +213,7 @@ def diagnostics_of(tau: float) -> dict:
 
 @pytest.mark.slow
 def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored_store, tmp_path):
-    from dflash_eval.flows.history import history
+    from dflash_eval.reporting.history import history
 
     store = Store(tmp_path / "store")
     shutil.copytree(scored_store.root, store.root)
@@ -398,8 +398,8 @@ def test_each_group_has_its_section_and_plots(tmp_path):
 
 
 def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regression(tmp_path):
-    from dflash_eval.flows.artifacts import summary_markdown
-    from dflash_eval.flows.history import find_group, history
+    from dflash_eval.reporting.artifacts import summary_markdown
+    from dflash_eval.reporting.history import find_group, history
 
     store = Store(tmp_path / "store")
     keys = {
@@ -456,7 +456,7 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
 
 
 def test_a_summary_links_a_copy_of_the_plot_that_later_runs_never_overwrite(tmp_path):
-    from dflash_eval.flows.artifacts import kept_copy
+    from dflash_eval.reporting.artifacts import kept_copy
 
     (tmp_path / "img").mkdir()
     plot = tmp_path / "img" / "group1-tau-by-step.png"

@@ -1,4 +1,4 @@
-"""flows/report_server.py: the report folder over HTTP, read-only, on loopback with real requests."""
+"""services/report_server.py: the report folder over HTTP, read-only, on loopback with real requests."""
 
 import http.client
 import os
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from dflash_eval.flows.report_server import REPORT_URL_ENV, PortInUse, ReportServer, report_url
+from dflash_eval.services.report_server import REPORT_URL_ENV, PortInUse, ReportServer, report_url
 from dflash_eval.storage import Store
 from tests.test_report import fabricate
 

@@ -1,9 +1,9 @@
-"""What a series is called and what tells two apart (flows.history.series_key, checkpoint_files.model_name)."""
+"""What a series is called and what tells two apart (reporting.history.series_key, checkpoint_files.model_name)."""
 
 import json
 
 from dflash_core.checkpoint_files import model_name
-from dflash_eval.flows.history import series_key
+from dflash_eval.reporting.history import series_key
 from dflash_eval.storage import Store
 
 

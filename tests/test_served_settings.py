@@ -60,11 +60,11 @@ def test_sampled_references_through_the_flow(tiny, tmp_path, prefect_api_url):
     # greedy on the same store: other references, its own history group; the sampled run's interval is two-level
     greedy, _ = evaluate(tiny, store, step=-1)
     assert greedy["keys"]["references"] != second["keys"]["references"] and "sampling" not in greedy
-    from dflash_eval.flows.history import history
+    from dflash_eval.reporting.history import history
 
     titles = sorted(g.title for g in history(Store(store)))
     assert len(titles) == 2 and any("T=0.6 top-k 20 top-p 0.95, 2 samples per prompt (seed 0)" in t for t in titles)
-    from dflash_eval.flows.report import write_report
+    from dflash_eval.reporting.report import write_report
 
     report = write_report(Store(store), tmp_path / "report").read_text()
     assert "Checkpoints at every setting evaluated" in report and "T=0.6 top-k 20 top-p 0.95 x2 (group" in report
@@ -120,7 +120,7 @@ def test_fewer_draft_tokens_through_the_flow(tiny, tmp_path, prefect_api_url):
     for prompt, scored in zip(prompt_ids(tiny)[:4], four["per_prompt"]):
         online = speculative_decode(target, drafter, prompt["input_ids"], MAX_NEW, eos, block_size=4)
         assert scored["acceptance_lengths"] == online.acceptance_lengths
-    from dflash_eval.flows.history import history
+    from dflash_eval.reporting.history import history
 
     titles = sorted(g.title for g in history(Store(store)))
     assert len(titles) == 2 and any(t.endswith("blocks of 4 (causal sliding layers)") for t in titles)

@@ -1,4 +1,4 @@
-"""Every server dflash-eval ships stays bounded whatever a client does (dflash_core.http_server): 300 half-open
+"""Every server dflash-eval ships stays bounded whatever a client does (dflash_eval.services.http_server): 300 half-open
 connections, and a 1 GB body sent without credentials, against the reference server, the report server and the
 relay, each a process of its own whose threads and peak memory are read from /proc."""
 
@@ -15,15 +15,15 @@ pytestmark = pytest.mark.slow  # starts processes
 
 SERVERS = {  # name -> (how the child starts it, the most connections it serves at once)
     "reference": ("""
-        from dflash_core.reference.server import ReferenceServer
+        from dflash_eval.services.reference.server import ReferenceServer
         server = ReferenceServer(sys.argv[1], api_key="s3cret")
     """, 64),
     "report": ("""
-        from dflash_eval.flows.report_server import ReportServer
+        from dflash_eval.services.report_server import ReportServer
         server = ReportServer(sys.argv[1], port=0)
     """, 32),
     "relay": ("""
-        from dflash_eval.storage.relay.server import RelayServer
+        from dflash_eval.services.relay.server import RelayServer
         server = RelayServer(sys.argv[1], state_dir=sys.argv[1] + "-state", token="s3cret", settle_seconds=0)
     """, 32),  # per client: every socket here comes from 127.0.0.1
 }

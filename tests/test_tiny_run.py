@@ -15,7 +15,7 @@ from dflash_core.features import extract_features
 from dflash_core.metrics import mean_acceptance, tau_macro
 from dflash_core.replay import Reference, replay
 from dflash_core.target import load_target
-from dflash_core.tiny.training import init_drafter
+from dflash_eval.tiny.training import init_drafter
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3ForCausalLM
 
 from dflash_core.target import load_target
-from dflash_core.tiny import target as tiny_target
+from dflash_eval.tiny import target as tiny_target
 from tests.tiny_models import CORPUS_BYTES, SHRUNK, SHRUNK_LINEAR
 
 # A shrunken model so that a few training steps take well under a second. `corpus` and `tokenizer` are

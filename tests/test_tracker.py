@@ -13,9 +13,9 @@ import pytest
 import requests
 from typer.testing import CliRunner
 
-from dflash_core.training_log import read_training_log
 from dflash_eval.flows.cli import app
-from dflash_eval.flows.history import history
+from dflash_eval.reporting.history import history
+from dflash_eval.reporting.training_log import read_training_log
 from dflash_eval.storage import Store
 from tests.ports import free_port
 from tests.test_pipeline import MAX_NEW

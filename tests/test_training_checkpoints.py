@@ -26,8 +26,8 @@ import torch
 from prefect.states import State
 from torch import nn
 
+from dflash_eval.services.relay.server import RelayServer
 from dflash_eval.storage import Store
-from dflash_eval.storage.relay.server import RelayServer
 from dflash_eval.tasks.fetch import CheckpointError, fetch_checkpoint
 from tests.tiny_models import first_prompts
 

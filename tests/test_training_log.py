@@ -1,4 +1,4 @@
-"""The training side of a run (dflash_core.training_log) and the alarm beside it (flows.training_side).
+"""The training side of a run (dflash_eval.reporting.training_log) and the alarm beside it (reporting.training_side).
 
 Logs are written by the code trainers run: SpecForge's own tracker (TensorboardTracker behind its
 TrackerLogger, which names metrics as the trainer does), its CheckpointManager (best_meta.json), its
@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from dflash_core.training_log import TRACKER_SUFFIX, implied_acceptance, read_training_log
-from dflash_eval.flows.history import Group, HistoryRow
-from dflash_eval.flows.training_side import (
+from dflash_eval.reporting.history import Group, HistoryRow
+from dflash_eval.reporting.training_log import TRACKER_SUFFIX, implied_acceptance, read_training_log
+from dflash_eval.reporting.training_side import (
     BEST_MISMATCH,
     DIVERGING,
     TRAIN_EVAL_GAP,
@@ -215,7 +215,7 @@ def test_the_best_by_the_trainers_own_metric_without_best_meta(tmp_path):
 
 
 def test_each_setting_has_its_own_tensorboard_tags():
-    from dflash_eval.flows.tracker import series_prefixes
+    from dflash_eval.reporting.tracker import series_prefixes
 
     greedy, sampled = group_of([]), replace(group_of([]), setting="T=0.6 top-k 20 x8")
     blocks = replace(group_of([]), setting="greedy, blocks of 4")

@@ -27,7 +27,7 @@ PROBE = textwrap.dedent('''
     if __name__ == "__main__":
         warm = sys.argv[1] == "warm"
         if warm:
-            start_flow_runs_from_forkserver(["dflash_eval.flows.report"])
+            start_flow_runs_from_forkserver(["dflash_eval.reporting.report"])
         runs = []
         for n in range(2):
             process = run_flow_in_subprocess(probe, parameters={"out": f"{sys.argv[2]}.{n}"})
@@ -54,7 +54,7 @@ def test_flow_runs_fork_from_a_process_that_imported_the_flows(tmp_path, prefect
     assert [r["exitcode"] for r in parent["runs"]] == [0, 0]
     for child in children:
         assert child["parent"] != parent["server"]  # a fork of the forkserver, not a child spawned by us
-        assert "dflash_eval.flows.report" in child["modules"] and "matplotlib" in child["modules"]  # preloaded
+        assert "dflash_eval.reporting.report" in child["modules"] and "matplotlib" in child["modules"]  # preloaded
     assert children[0]["parent"] == children[1]["parent"]  # one forkserver serves every run
     assert children[0]["pid"] != children[1]["pid"]  # each run is still its own process
 
@@ -65,4 +65,4 @@ def test_without_it_prefect_spawns_each_run_afresh(tmp_path, prefect_api_url):
     assert [r["kind"] for r in parent["runs"]] == ["SpawnProcess"] * 2
     for child in children:
         assert child["parent"] == parent["server"]
-        assert "dflash_eval.flows.report" not in child["modules"]
+        assert "dflash_eval.reporting.report" not in child["modules"]

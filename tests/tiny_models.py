@@ -3,7 +3,7 @@
 Each builder seeds torch, builds a randomly initialised model in float32 and
 `save_pretrained`s it into `path` (created if needed), then returns `path`.
 Vocabularies are 64 tokens and hidden sizes 32..64 so that a forward pass takes
-milliseconds on a CPU. The Qwen3 and Qwen3.5 configs are `dflash_core.tiny.target`'s,
+milliseconds on a CPU. The Qwen3 and Qwen3.5 configs are `dflash_eval.tiny.target`'s,
 shrunk by `SHRUNK`. `first_prompts` cuts a tiny run's held-out prompts to the few a test needs.
 """
 
@@ -25,7 +25,7 @@ from transformers import (
     SiglipVisionConfig,
 )
 
-from dflash_core.tiny import target as tiny_target
+from dflash_eval.tiny import target as tiny_target
 
 VOCAB_SIZE = 64
 # Larger than the HF default (0.02) so that layers change the residual stream visibly and
@@ -33,7 +33,7 @@ VOCAB_SIZE = 64
 INIT_RANGE = 0.05
 
 # The text shape every tiny model here starts from (GQA: 4 query heads of 16 dims, 2 key/value heads);
-# `dflash_core.tiny.target`'s configs with these overrides train or run in milliseconds.
+# `dflash_eval.tiny.target`'s configs with these overrides train or run in milliseconds.
 SHRUNK = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 # The Gated DeltaNet layers of a shrunk Qwen3.5 (2 key heads, 4 value heads, 16 dims each).
 SHRUNK_LINEAR = dict(linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
@@ -56,7 +56,7 @@ def _save(model, path, max_shard_size=None) -> Path:
 
 
 def qwen3_config(vocab_size: int = VOCAB_SIZE, eos_token_id: int | None = None, **overrides):
-    """A Qwen3Config: `dflash_core.tiny.target.qwen3_config` shrunk: 3 layers, hidden 64, untied lm_head, 128 positions.
+    """A Qwen3Config: `dflash_eval.tiny.target.qwen3_config` shrunk: 3 layers, hidden 64, untied lm_head, 128 positions.
     `overrides` replace any field."""
     return tiny_target.qwen3_config(vocab_size, eos_token_id, **{**_TEXT, "num_hidden_layers": 3, **overrides})
 
@@ -78,7 +78,7 @@ def build_llama_tied(path, *, max_shard_size=None, seed=0) -> Path:
 
 
 def qwen3_5_text_config():
-    """A Qwen3_5TextConfig: `dflash_core.tiny.target.qwen3_5_text_config` shrunk: Gated DeltaNet (linear attention) and full
+    """A Qwen3_5TextConfig: `dflash_eval.tiny.target.qwen3_5_text_config` shrunk: Gated DeltaNet (linear attention) and full
     attention layers alternating over 4 layers, hidden 64, 128 positions."""
     # rotary dim = 16 * 0.5 = 8 -> 4 frequencies, split 2/1/1 over the t/h/w mRoPE sections
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],

@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dflash_core.tiny.build import BUILD_RECORD, TinyBuildSettings, TinyRun, default_cache_root, tiny_run, tiny_run_key
-from dflash_core.tiny.training import DrafterTrainingSettings
+from dflash_eval.tiny.build import BUILD_RECORD, TinyBuildSettings, TinyRun, default_cache_root, tiny_run, tiny_run_key
+from dflash_eval.tiny.training import DrafterTrainingSettings
 
 RUNS = {
     "qwen3": TinyBuildSettings(arch="qwen3"),
@@ -34,7 +34,7 @@ def trained_run(name: str) -> TinyRun:
 
 def build(jobs: list[str]) -> None:
     """Build each job in turn: a key of RUNS, or `planted:<bug>` (`planted:clean`: the clean twin)."""
-    from dflash_core.tiny.planted import planted_run
+    from tests.planted import planted_run
 
     for job in jobs:
         if job.startswith("planted:"):

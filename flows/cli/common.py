@@ -9,8 +9,8 @@ from typing import NoReturn
 
 import typer
 
-from dflash_eval.flows.report_server import PortInUse, ReportServer
-from dflash_eval.storage.tokens import TokenFileError, read_token_file
+from dflash_eval.services.report_server import PortInUse, ReportServer
+from dflash_eval.services.tokens import TokenFileError, read_token_file
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -46,11 +46,11 @@ def evaluate_each(each: list[dict], out: Path | None = None) -> list[dict | None
     `out`: the results file (one checkpoint) or folder (several, checked here, written by the caller)."""
     configure_threads(each[0].get("threads"))
     from dflash_core.drafter_config import DrafterError
-    from dflash_core.reference.backends import BackendError
     from dflash_eval.flows.checks import InputError, check_evaluation, check_out
     from dflash_eval.flows.evaluate import evaluate_checkpoint, evaluation_flow
+    from dflash_eval.services.reference.backends import BackendError
+    from dflash_eval.services.relay.client import RelayError
     from dflash_eval.storage.object_storage import ObjectStorageError
-    from dflash_eval.storage.relay.client import RelayError
     from dflash_eval.tasks.drafts import CheckpointDamaged
     from dflash_eval.tasks.fetch import CheckpointError
 
@@ -248,7 +248,7 @@ def checkpoints_named(drafters: list[str], store: str | None, settle_seconds: fl
     but holds some (a training run's) stands for its finished ones, in step order (those without a step last, by
     path); one still being written is left out. Anything else is one checkpoint, as given (fetch checks it)."""
     from dflash_core.checkpoint_files import checkpoint_files
-    from dflash_eval.storage.relay.local_checkpoints import LocalCheckpoints
+    from dflash_eval.services.relay.local_checkpoints import LocalCheckpoints
 
     found = []
     for drafter in drafters:
@@ -317,8 +317,8 @@ def demo(
 ):
     """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved
     step through the full flow, print tau per step. No server, no GPU, no downloads."""
-    from dflash_core.tiny.build import default_cache_root, tiny_run
     from dflash_eval.flows.checks import InputError, check_out
+    from dflash_eval.tiny.build import default_cache_root, tiny_run
 
     from .tiny import BuildProgress
 

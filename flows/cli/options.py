@@ -35,9 +35,9 @@ ServedDtype = StrEnum("ServedDtype", [(name, name) for name in (AUTO_DTYPE, *DTY
 SlidingSemantics = StrEnum("SlidingSemantics", [(name, name) for name in SLIDING_SEMANTICS])
 
 
-# tests/test_cli.py checks these against DEFAULT_STEPS (dflash_core.tiny.target imports torch).
+# tests/test_cli.py checks these against DEFAULT_STEPS (dflash_eval.tiny.target imports torch).
 class Arch(StrEnum):
-    """--arch of tiny build: the keys of dflash_core.tiny.target.DEFAULT_STEPS."""
+    """--arch of tiny build: the keys of dflash_eval.tiny.target.DEFAULT_STEPS."""
 
     qwen3 = "qwen3"
     qwen3_5 = "qwen3_5"

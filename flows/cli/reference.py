@@ -31,7 +31,7 @@ def serve_reference(
 ):
     """Serve the target's greedy completions over HTTP (SGLang /generate, OpenAI /v1/completions)
     until killed: a reference server for tests and for machines without SGLang or vLLM."""
-    from dflash_core.reference.server import serve_reference as serve
+    from dflash_eval.services.reference.server import serve_reference as serve
 
     api_key = token_from_file(api_key_file, "--api-key-file")
     try:

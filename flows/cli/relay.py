@@ -52,7 +52,7 @@ def relay_serve(
     """
     import logging
 
-    from dflash_eval.storage.relay.server import DEFAULT_STATE_DIR, RelayServer
+    from dflash_eval.services.relay.server import DEFAULT_STATE_DIR, RelayServer
 
     if root is None and upstream is None:
         raise typer.BadParameter("give a folder to serve, or --upstream", param_hint="ROOT")
@@ -86,7 +86,7 @@ def relay_ls(
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_eval.storage.relay.client import RelayClient, RelayError
+    from dflash_eval.services.relay.client import RelayClient, RelayError
     from dflash_eval.storage.schema import Stage
 
     try:

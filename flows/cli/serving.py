@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, ReportServer, report_url
+from dflash_eval.services.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, ReportServer, report_url
 
 from .common import bind_report_server, fail, open_store, start_local_server, write_results
 from .options import Baseline, Inputs, RelayTokenFile, Settings, absolute, example, option_groups

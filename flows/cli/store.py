@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from dflash_eval.flows.report_server import DEFAULT_HOST, DEFAULT_PORT
+from dflash_eval.services.report_server import DEFAULT_HOST, DEFAULT_PORT
 
 from .common import bind_report_server, fail, open_existing_store
 from .options import StepCost, StoreRoot, example
@@ -35,7 +35,7 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_eval.flows.training_side import side_of, training_sides
+    from dflash_eval.reporting.training_side import side_of, training_sides
 
     opened = open_existing_store(store)
     groups = history_telling_what_is_left_out(opened)
@@ -76,7 +76,7 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
     """What `history` shows, for scripts: {"store", "series": [{"key", "title", "setting", "rows": [...]}]}, each row
     with its step, checkpoint, tau and interval, its verdict and, where the training log is found, what the trainer's
     numbers imply and the alarm's flags at that step."""
-    from dflash_eval.flows.training_side import side_of, training_sides
+    from dflash_eval.reporting.training_side import side_of, training_sides
 
     series = []
     for group in groups:
@@ -105,7 +105,7 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
 
 def history_telling_what_is_left_out(store) -> list:
     """The store's history; each damaged or stale row it leaves out is one warning line on stderr."""
-    from dflash_eval.flows.history import history
+    from dflash_eval.reporting.history import history
 
     problems: list[str] = []
     groups = history(store, problems)
@@ -116,7 +116,7 @@ def history_telling_what_is_left_out(store) -> list:
 
 def relay_logs(group, training_log: str | None) -> dict[str, str]:
     """--training-log for the group's training runs that are not folders on this machine (relay URLs)."""
-    from dflash_eval.flows.training_side import training_run_of
+    from dflash_eval.reporting.training_side import training_run_of
 
     if not training_log:
         return {}
@@ -147,7 +147,7 @@ def report_command(
     `dflash-eval report --serve --host 0.0.0.0 --port 8765`.
     """
     from dflash_eval.flows.checks import InputError, read_step_costs, writable_problem
-    from dflash_eval.flows.report import NothingToReport, write_report
+    from dflash_eval.reporting.report import NothingToReport, write_report
 
     try:
         step_costs = read_step_costs(step_cost, block_sizes=[])  # any block sizes: the report shows those it has

@@ -14,7 +14,7 @@ app = typer.Typer(help="The tiny trained target and drafter run (demo, tests, sm
 
 
 class BuildProgress:
-    """Progress bars for the long steps of a tiny build (the `progress` that dflash_core.tiny.build takes): one
+    """Progress bars for the long steps of a tiny build (the `progress` that dflash_eval.tiny.build takes): one
     bar per step, added when the step starts and kept when it is done. Used as a context manager around the
     build; on a terminal the bars move and the build's log lines print above them, elsewhere (a log file) the
     finished bars print once at the end. Nothing shows when the build is cached."""
@@ -60,8 +60,8 @@ def tiny_build(
     threads: Threads = None,
 ):
     """Train a tiny target and a DFlash drafter run into OUT, and print tau per saved step."""
-    from dflash_core.tiny.build import TinyBuildSettings, build_tiny
     from dflash_eval.flows.checks import writable_problem
+    from dflash_eval.tiny.build import TinyBuildSettings, build_tiny
 
     if problem := writable_problem(out, folder=True):
         fail(f"--out: {problem}")

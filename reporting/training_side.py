@@ -4,7 +4,7 @@ that goes off when training and evaluation disagree.
 A training run is found from a checkpoint's source: the folder (or relay URL) its checkpoint folders sit
 in, SpecForge's `output_dir` (`{run_id}-step{N}/` beside `runs/` and `{run_id}.best_meta.json`), or given
 with --training-log DIR (a relay's checkpoints: the run folder is on the training machine). Only a group's
-checkpoints from that run are compared with its log (dflash_core.training_log reads it).
+checkpoints from that run are compared with its log (dflash_eval.reporting.training_log reads it).
 
 Flags, each with its reason:
 - best mismatch: the step the trainer calls its best (`best_meta.json`, or its own metric) is worse by
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash_core.metrics import paired_slope_interval, slope_interval
-from dflash_core.training_log import (
+from dflash_eval.reporting.training_log import (
     ACCURACY,
     EVAL_ACCURACY,
     TRAINER_ACCEPTANCE,
@@ -219,7 +219,7 @@ def _percentages(values) -> str:
 
 
 def holds_training_log(folder: Path) -> bool:
-    """Whether a local folder holds anything a trainer writes (dflash_core.training_log)."""
+    """Whether a local folder holds anything a trainer writes (dflash_eval.reporting.training_log)."""
     return folder.is_dir() and ((folder / "runs").is_dir() or any(folder.glob("*.best_meta.json"))
                                 or (folder / "trainer_state.json").is_file()
                                 or any(folder.glob("checkpoint-*/trainer_state.json")))

@@ -1,10 +1,10 @@
 """`dflash-eval report`: one self-contained HTML page (and the same as Markdown + PNG files) of a store's scores.
 
 For each group of comparable scores (same target, references and sliding-layer semantics; see
-flows.history) the report shows:
+reporting.history) the report shows:
 
 - every scored checkpoint, in history order (by training step; checkpoints without one by when they were
-  first scored, never by path: flows.history): tau macro with its 95% interval, tau pooled, the best step,
+  first scored, never by path: reporting.history): tau macro with its 95% interval, tau pooled, the best step,
   regressions and baselines, and the speedup upper bound of the newest checkpoint (the last in that order);
 - tau macro over training steps, with the intervals, the best step, regressions and each baseline as a
   dashed line with its interval as a band;
@@ -39,8 +39,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from dflash_eval.flows.history import Group, HistoryRow, history
-from dflash_eval.flows.training_side import TrainingSide, training_sides
+from dflash_eval.reporting.history import Group, HistoryRow, history
+from dflash_eval.reporting.training_side import TrainingSide, training_sides
 from dflash_eval.storage import EntryMissing, Store, read_json
 from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import DIAGNOSTICS_FILE, DiagnosticsRecord, DraftsRecord, Stage
@@ -106,7 +106,7 @@ class DiagnosticsSection:
 
 @dataclass(frozen=True)
 class GroupSection:
-    """One group of comparable scores (flows.history.Group), with what its section shows."""
+    """One group of comparable scores (reporting.history.Group), with what its section shows."""
 
     group: Group
     anchor: str  # "group<N>": the section's id, and the prefix of its plots' names
@@ -136,7 +136,7 @@ class GroupSection:
 
 @dataclass(frozen=True)
 class SideBySide:
-    """Checkpoints evaluated at more than one setting (greedy, sampled, a block size: flows.history groups),
+    """Checkpoints evaluated at more than one setting (greedy, sampled, a block size: reporting.history groups),
     their tau macro at each: `columns` are the groups' settings, each row (checkpoint label, tau or None)."""
 
     columns: list[str]
@@ -192,7 +192,7 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
     has it already. step_costs: {b: cost of a speculative step verifying b tokens / a plain decode step}
     (--step-cost), for the projected speedup per block size; they describe the serving box, not a
     checkpoint, so the store does not keep them. training_logs: {training run: its log folder} for runs whose
-    folder is not on this machine (flows.training_side finds local ones); training: {group index (0-based):
+    folder is not on this machine (reporting.training_side finds local ones); training: {group index (0-based):
     its TrainingSides}, when the caller has read the logs already. Raises NothingToReport on a store without
     scores."""
     groups = history(store) if groups is None else groups
@@ -290,7 +290,7 @@ def _diagnostics_by_checkpoint(store: Store) -> dict[tuple[str, str, str], dict]
 
 
 def tau_plot_path(group_number: int) -> str:
-    """Where the report puts the tau-by-step plot of its group_number-th group (1-based, flows.history order),
+    """Where the report puts the tau-by-step plot of its group_number-th group (1-based, reporting.history order),
     relative to the report's folder."""
     return f"img/group{group_number}{TAU_PLOT}.png"
 

@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
-from ..features import extract_features
-from ..replay import Reference
-from ..target import Target
-from . import build, training
-from . import target as tiny_target
-from .build import TinyBuildSettings, TinyRun, _greedy_batch, _train_prompts, tiny_drafter_config
-from .training import DrafterTrainingSettings, train_drafter
+from dflash_core.features import extract_features
+from dflash_core.replay import Reference
+from dflash_core.target import Target
+from dflash_eval.tiny import build, training
+from dflash_eval.tiny import target as tiny_target
+from dflash_eval.tiny.build import TinyBuildSettings, TinyRun, _greedy_batch, _train_prompts, tiny_drafter_config
+from dflash_eval.tiny.training import DrafterTrainingSettings, train_drafter
 
 PLANTED = (*training.PLANTED_BUGS, "last_layer_shortcut", "noisy_logits")
 LOGIT_NOISE = 2.0

@@ -7,7 +7,7 @@ guarantees against hostile clients and a changing folder: docs/relay.md, "Protoc
 
 Here: `RelayServer` (which checkpoint, manifest or file a request gets, from the folder or the
 upstream) and its request handler. Beside it: `local_checkpoints` (the checkpoints of the folder),
-`served_files` (opening files only inside the served folder, ranges), `dflash_core.http_server` (the
+`served_files` (opening files only inside the served folder, ranges), `dflash_eval.services.http_server` (the
 bounded threading HTTP server), `pull_through` (files pulled from an upstream relay into the cache).
 
 The relay imports no Prefect, and of dflash_core only `dflash_core.checkpoint_files` (files alone, no torch).
@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, BinaryIO, Self
 from urllib.parse import parse_qs
 
-from dflash_core.http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
+from dflash_eval.services.http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
+from dflash_eval.storage.hashing import DigestCache
+from dflash_eval.storage.records import read_json, write_json_atomic
 
-from ..hashing import DigestCache
-from ..records import read_json, write_json_atomic
 from .client import RelayClient, RelayError, validate_manifest
 from .local_checkpoints import LocalCheckpoints
 from .pull_through import UpstreamPull
@@ -43,7 +43,7 @@ from .served_files import (
     parse_range,
 )
 
-log = logging.getLogger("dflash_eval.storage.relay.server")
+log = logging.getLogger("dflash_eval.services.relay.server")
 
 CHUNK_BYTES = 1 << 20
 DEFAULT_STATE_DIR = Path("~/.cache/dflash-eval/relay")

@@ -1,4 +1,4 @@
-"""Serve one report folder (`<store>/report`, flows/report.py) read-only over HTTP.
+"""Serve one report folder (`<store>/report`, reporting/report.py) read-only over HTTP.
 
 The Prefect UI links to the report. A file:// link is blocked by browsers and names a path on the eval
 machine only; `dflash-eval serve` therefore serves the folder from its own process and tells the flow
@@ -9,10 +9,10 @@ sets the variable to the proxy's address.
 What is served: GET and HEAD of the report's files (.html, .md, .png) inside the folder, `/` being
 report.html. No listings, nothing hidden (the `.<name>.partial` files a write is filling), nothing that
 resolves outside the folder. Every evaluation rewrites the folder, so nothing may be cached without
-asking again (`Cache-Control: no-cache`). flows/report.py writes each file to a temporary name and
+asking again (`Cache-Control: no-cache`). reporting/report.py writes each file to a temporary name and
 renames it into place: a request opens either the old or the new file, never one half written.
 
-Bounded as every server we ship (dflash_core.http_server): MAX_CONNECTIONS connections at once (a browser
+Bounded as every server we ship (dflash_eval.services.http_server): MAX_CONNECTIONS connections at once (a browser
 opens a few), a request must arrive whole within REQUEST_SECONDS (an idle keep-alive one is closed then).
 """
 
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
-from dflash_core.http_server import BoundedHTTPServer, DeadlineRequestHandler
+from dflash_eval.services.http_server import BoundedHTTPServer, DeadlineRequestHandler
 
 REPORT_URL_ENV = "DFLASH_REPORT_URL"
 DEFAULT_HOST = "127.0.0.1"

@@ -1,7 +1,7 @@
 """A real HTTP server for a local Hugging Face target's completions, greedy or sampled, speaking the wire
 formats of SGLang's native `/generate` and of the OpenAI-compatible `/v1/completions` (as vLLM and
 SGLang implement it). For tests (a real server on loopback, with injectable faults) and for users
-without a GPU serving stack. Plain stdlib `http.server`, bounded by `dflash_core.http_server` (MAX_* below).
+without a GPU serving stack. Plain stdlib `http.server`, bounded by `dflash_eval.services.http_server` (MAX_* below).
 
 Every completion is `dflash_core.decoding.decode(target, prompt_ids, max_new_tokens, stops, sampling,
 generator)`, so it is bit-identical to a local run in the same dtype and device: greedy, or sampled with
@@ -51,10 +51,11 @@ from typing import Any, ClassVar, Self
 import torch
 import torch.nn.functional as F
 
-from ..decoding import decode
+from dflash_core.decoding import decode
+from dflash_core.sampling import Sampling
+from dflash_core.target import DTYPES, load_target, read_target_config
+
 from ..http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
-from ..sampling import Sampling
-from ..target import DTYPES, load_target, read_target_config
 from .request_fields import (
     RequestError,
     check_supported,

@@ -4,7 +4,7 @@ refused with a `RequestError` (answered 400) rather than ignored. Which fields t
 their defaults: docs/reference-servers.md, "Wire formats we follow".
 """
 
-from ..sampling import GREEDY, Sampling
+from dflash_core.sampling import GREEDY, Sampling
 
 GREEDY_EPS = 1e-6  # SGLang: temperature below this is greedy (vLLM's threshold is 1e-5)
 

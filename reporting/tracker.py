@@ -2,10 +2,10 @@
 
 The run (--tensorboard DIR; by default `<training run>/runs/dflash-eval`, so that `tensorboard --logdir
 <training run>/runs` shows it beside SpecForge's) is a projection of the store: each write rewrites it
-whole from flows.history, so re-evaluating a step replaces its points instead of adding a second one, and
+whole from reporting.history, so re-evaluating a step replaces its points instead of adding a second one, and
 a run killed mid-write leaves the previous projection (the new event file is complete before it is put in
 place, the old ones are removed after). Our event files end in TRACKER_SUFFIX, so the trainer's log reader
-(dflash_core.training_log) never takes them for the trainer's.
+(dflash_eval.reporting.training_log) never takes them for the trainer's.
 
 Scalars, at each checkpoint's training step, under PREFIX (greedy at the drafter's block size) or
 PREFIX/<setting> (a sampled setting, a chosen block size: "T=0.6 x8", "greedy, blocks of 4"):
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_core.training_log import TRACKER_SUFFIX, read_training_log
+from dflash_eval.reporting.training_log import TRACKER_SUFFIX, read_training_log
 from dflash_eval.storage import read_json
 
 from .history import Group
@@ -68,7 +68,7 @@ class Projection:
 
 
 def projection(groups: list[Group], run: str, sides: dict[int, TrainingSide]) -> Projection:
-    """Every stepped checkpoint of training run `run` (flows.training_side.training_run_of) in `groups`, as
+    """Every stepped checkpoint of training run `run` (reporting.training_side.training_run_of) in `groups`, as
     tracker points; sides: {group index: its TrainingSide}, for what the trainer's numbers imply and the flags."""
     prefixes = series_prefixes(groups)
     scalars, texts = [], []
@@ -170,7 +170,7 @@ def _tag(text: str) -> str:
 def track(groups: list[Group], source: str, training_log: str | None, tensorboard: str | None,
           window: int, mlflow: str | None = None) -> tuple[dict, dict[int, list[TrainingSide]]]:
     """The training side of an evaluated checkpoint (`source`): its run's log read beside every group
-    (flows.training_side), the TensorBoard run (and, given a tracking URI, the MLflow run) rewritten. Returns
+    (reporting.training_side), the TensorBoard run (and, given a tracking URI, the MLflow run) rewritten. Returns
     (results["training"], {group index: the TrainingSide of each of its training runs with a log}), the
     latter for the artifacts and the report, so that no log is read twice. Problems (no log, a damaged one,
     a folder we cannot write) are listed, never raised: the evaluation is complete without them."""

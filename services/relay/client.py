@@ -1,4 +1,4 @@
-"""Client of the checkpoint relay (protocol v1: docs/relay.md, Protocol; the server: `storage/relay/server.py`).
+"""Client of the checkpoint relay (protocol v1: docs/relay.md, Protocol; the server: `services/relay/server.py`).
 
     client = RelayClient("http://relay:8470", token=token)
     client.list_checkpoints()                  # [{"path", "step", "total_bytes", "n_files"}, ...]
@@ -32,7 +32,7 @@ import urllib3
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
-from ..hashing import file_sha256, key_of
+from dflash_eval.storage.hashing import file_sha256, key_of
 
 API = "/v1"
 PARTIAL_DIRNAME = ".partial"

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..drafter import DFlashDrafter, save_drafter
-from ..drafter_config import DrafterConfig
-from ..replay import Reference
+from dflash_core.drafter import DFlashDrafter, save_drafter
+from dflash_core.drafter_config import DrafterConfig
+from dflash_core.replay import Reference
 
 # tests only: the bugs a drafter can be trained with, and what each does
 PLANTED_BUGS = {

@@ -46,8 +46,8 @@ import requests
 import torch
 from urllib3.util.retry import Retry
 
-from ..decoding import decode
-from ..sampling import GREEDY, Sampling
+from dflash_core.decoding import decode
+from dflash_core.sampling import GREEDY, Sampling
 
 SCHEMES = ("sglang", "openai")
 API_KEY_ENV = "DFLASH_REFERENCE_API_KEY"

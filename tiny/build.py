@@ -33,12 +33,13 @@ from pathlib import Path
 import torch
 import transformers
 
-from .. import drafter, drafter_config, features, replay
-from ..drafter import load_drafter
-from ..features import extract_features
-from ..metrics import tau_macro
-from ..replay import Reference
-from ..target import Target
+from dflash_core import drafter, drafter_config, features, replay
+from dflash_core.drafter import load_drafter
+from dflash_core.features import extract_features
+from dflash_core.metrics import tau_macro
+from dflash_core.replay import Reference
+from dflash_core.target import Target
+
 from . import target as tiny_target
 from . import training as drafter_training
 from .training import DrafterTrainingSettings, Progress, train_drafter

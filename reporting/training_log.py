@@ -5,7 +5,7 @@ specforge/training/checkpoint.py, specforge/eval/evaluator.py and transformers' 
 
 - TensorBoard event files: SpecForge's tracker writes `<output_dir>/runs`, transformers' Trainer
   `<output_dir>/runs/<date_host>`. Read with TensorBoard's own reader (EventAccumulator), every folder
-  under the run folder except ours (event files ending in TRACKER_SUFFIX: flows.tracker writes them).
+  under the run folder except ours (event files ending in TRACKER_SUFFIX: reporting.tracker writes them).
 - `{run_id}.best_meta.json` (SpecForge's CheckpointManager): {run_id, step, score, metric, metrics}, the
   step the trainer calls its best by its own metric (`eval/simulated_acc_len` by default).
 - `trainer_state.json` (transformers' Trainer, in the run folder or in each `checkpoint-N/`): `log_history`,
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-TRACKER_SUFFIX = ".dflash-eval"  # our own event files (flows.tracker): never read as the trainer's
+TRACKER_SUFFIX = ".dflash-eval"  # our own event files (reporting.tracker): never read as the trainer's
 
 # canonical name -> the names trainers log it under, preferred first
 ACCURACY = ("train/acc", "train/accuracy", "accuracy", "train_accuracy")

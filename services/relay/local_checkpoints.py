@@ -20,9 +20,9 @@ from dflash_core.checkpoint_files import (
     not_ready,
     training_step,
 )
-from dflash_core.http_server import ErrorResponse
+from dflash_eval.services.http_server import ErrorResponse
+from dflash_eval.storage.hashing import DigestCache, key_of
 
-from ..hashing import DigestCache, key_of
 from .served_files import NotServable, fd_path, file_identity, is_inside, open_inside
 
 

@@ -1,17 +1,17 @@
 """What a flow run shows in the Prefect UI once a checkpoint is scored.
 
-Artifacts are keyed per series (flows.history: series_key, what makes taus comparable), so the UI's artifact
+Artifacts are keyed per series (reporting.history: series_key, what makes taus comparable), so the UI's artifact
 page keeps one versioned history per series across flow runs:
 
   <series>-scores    table: this checkpoint's metrics
   <series>-history   table: every scored checkpoint of the series by step, with intervals, the best
-                     one, baselines and regressions (flows.history); with a training log, what the
-                     trainer's numbers imply and the train/eval alarm's flags (flows.training_side)
+                     one, baselines and regressions (reporting.history); with a training log, what the
+                     trainer's numbers imply and the train/eval alarm's flags (reporting.training_side)
   <series>-summary   markdown: this checkpoint against the previous step, the best one and the
                      baselines, with the regression flag, the training run beside it (its logged
                      numbers, the flags, the TensorBoard run), the tau-over-steps plot where the report
                      is served, and the commands that rerun a stage of this checkpoint
-  <series>-report    link: the store's report (flows.report), rewritten by this run: its HTTP address
+  <series>-report    link: the store's report (reporting.report), rewritten by this run: its HTTP address
                      when one serves it ($DFLASH_REPORT_URL, set by `dflash-eval serve`), else the file
 
 Progress artifacts of long stages (tasks/progress.py) have no key: they show on their flow run's page only.
@@ -24,12 +24,12 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
+from dflash_eval.services.report_server import report_url
 from dflash_eval.storage import Store
 from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import Stage
 
 from .history import Group, HistoryRow, find_group, history, paired_interval
-from .report_server import report_url
 from .training_side import TrainingSide, side_of
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
@@ -41,7 +41,7 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
             step_costs: dict[int, float] | None = None) -> dict[str, str]:
     """Rewrite the report (step_costs: --step-cost, for its projected speedups) and publish the scores, summary
     and report-link artifacts; returns their keys. groups: history(store), when the caller has it; training:
-    {group index: each training run with a log beside it} (flows.tracker.track), when the caller read them."""
+    {group index: each training run with a log beside it} (reporting.tracker.track), when the caller read them."""
     logger = get_run_logger()
     keys = {name: f"{results['series']['key']}-{name}" for name in ("scores", "history", "summary", "report")}
     create_table_artifact(key=keys["scores"], table=score_table(results),
@@ -213,7 +213,7 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
                      plot: str | None = None, reruns: bool = False) -> str:
     """This checkpoint against the previous step, the best other checkpoint and the baselines, and tau by
     checkpoint as text. A checkpoint without a training step has no previous step and is never called a
-    regression (flows.history). served: the report's HTTP address; plot: the path under it of this series'
+    regression (reporting.history). served: the report's HTTP address; plot: the path under it of this series'
     tau-by-step plot (a copy named by its content), which the summary then shows; reruns: the rerun deployments
     exist, so the summary gives the commands that rerun a stage."""
     drafter = results["drafter"]
@@ -281,7 +281,7 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
 
 
 def training_markdown(training: dict | None) -> list[str]:
-    """The summary's lines on the training run (results["training"], flows.tracker.track): what the trainer
+    """The summary's lines on the training run (results["training"], reporting.tracker.track): what the trainer
     logged at this step beside tau, the alarm's flags, where the TensorBoard run is, what could not be read."""
     if not training or not (training["log"] or training["tensorboard"] or training["problems"]):
         return []
