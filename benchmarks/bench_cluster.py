@@ -47,20 +47,20 @@ def best_of(n: int, fn) -> float:
 def extraction(args, work: Path) -> None:
     import shutil
 
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
     from dflash_eval.tiny.build import TinyBuildSettings, default_cache_root, tiny_run
     from tests.dask_cluster import Cluster
+    from tests.evaluations import run_evaluation
 
     tiny = tiny_run(default_cache_root(), TinyBuildSettings(arch="qwen3"))
     common = dict(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[-1]), prompts=str(tiny.prompts_file),
                   max_new_tokens=args.max_new_tokens)
     # the references once: every timed run extracts from a copy of them
-    evaluate_checkpoint(**common, store=str(work / "references"), until="references")
+    run_evaluation(**common, store=str(work / "references"), until="references")
 
     def features_seconds(name: str, dask_address: str | None) -> float:
         store = work / name
         shutil.copytree(work / "references" / "references", store / "references")
-        state = evaluate_checkpoint(**common, store=str(store), until="features", dask_address=dask_address,
+        state = run_evaluation(**common, store=str(store), until="features", dask_address=dask_address,
                                     return_state=True)
         results = state.result()
         assert results["stages"]["features"] == "ran"

@@ -24,6 +24,7 @@ import torch
 from prefect import flow
 
 from dflash_eval.flows.evaluate import evaluate_checkpoint
+from dflash_eval.flows.settings import by_group
 from dflash_eval.storage.feature_store import FeatureStore
 from dflash_eval.tiny.build import default_cache_root, tiny_run
 
@@ -44,8 +45,8 @@ def bench_new_checkpoint(store: Path) -> None:
     start_prefect()
     common = dict(target=str(tiny.target_dir), prompts=str(tiny.prompts_file),
                   max_new_tokens=tiny.record["settings"]["max_new_tokens"], store=str(store))
-    first, t_first = timed(lambda: evaluate_checkpoint(drafter=str(tiny.drafter_steps[0]), **common))
-    warm, t_warm = timed(lambda: evaluate_checkpoint(drafter=str(tiny.drafter_steps[-1]), **common))
+    first, t_first = timed(lambda: evaluate_checkpoint(**by_group({**common, "drafter": str(tiny.drafter_steps[0])})))
+    warm, t_warm = timed(lambda: evaluate_checkpoint(**by_group({**common, "drafter": str(tiny.drafter_steps[-1])})))
     print(f"first full run ({tiny.drafter_steps[0].name}): {t_first:6.2f} s   stages {first['stages']}")
     print(f"new checkpoint ({tiny.drafter_steps[-1].name}): {t_warm:6.2f} s   stages {warm['stages']}")
     print(f"new checkpoint / first run: {t_warm / t_first:.2f}x  (32 prompts x up to 96 new tokens, tiny target)")

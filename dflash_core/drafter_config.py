@@ -245,6 +245,15 @@ def check_block_size(block_size: int, drafter_block_size: int) -> int:
     return block_size
 
 
+def chosen_block_size(requested: int | None, drafter_block_size: int) -> int | None:
+    """The block size a request chooses, checked (check_block_size): None, "the drafter's own", when none is
+    requested or the request is the drafter's own, so that both name one setting everywhere (keys, series, tags,
+    run names)."""
+    if requested is None:
+        return None
+    return None if check_block_size(requested, drafter_block_size) == drafter_block_size else requested
+
+
 def fallback_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The layer ids DFlash training uses when a config names none: evenly from 1 to n_target - 3."""
     if num_draft_layers == 1:

@@ -212,7 +212,7 @@ def slope_interval(xs: Sequence[float], ys: Sequence[float], draws: int = 1000, 
     return _percentiles(values, level)
 
 
-def paired_slope_interval(steps: Sequence[int], taus: Sequence[dict[str, tuple[str, float]]], draws: int = 1000,
+def paired_slope_interval(steps: Sequence[float], taus: Sequence[dict[str, tuple[str, float]]], draws: int = 1000,
                           seed: int = 0, level: float = 0.95) -> tuple[float, float]:
     """Percentile bootstrap interval of the slope of tau against the training step over several checkpoints
     scored on the same references: taus[i] = {reference id: (the prompt it samples, tau)} of the checkpoint

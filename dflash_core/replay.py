@@ -224,7 +224,7 @@ def replay(
     embed_weight: torch.Tensor,
     head_weight: torch.Tensor,
     references: Sequence[Reference],
-    features: Sequence[torch.Tensor],
+    features: Iterable[torch.Tensor],
     all_positions: bool = False,
     block_size: int | None = None,
     max_blocks: int = 64,

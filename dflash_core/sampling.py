@@ -43,17 +43,18 @@ class Sampling:
     min_p: float = 0.0
 
     def __post_init__(self):
+        # (an evaluation's settings are checked with the user's names first: flows/settings.py)
         if not self.temperature >= 0:  # also NaN
-            raise ValueError(f"--temperature must be 0 (greedy) or more, got {self.temperature}")
+            raise ValueError(f"temperature must be 0 (greedy) or more, got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"--top-k must be a whole number, 0 (off) or more, got {self.top_k}")
+            raise ValueError(f"top_k must be a whole number, 0 (off) or more, got {self.top_k}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p must lie in (0, 1] (1 = off), got {self.top_p}")
+            raise ValueError(f"top_p must lie in (0, 1] (1 = off), got {self.top_p}")
         if not 0 <= self.min_p < 1:
-            raise ValueError(f"--min-p must lie in [0, 1) (0 = off), got {self.min_p}")
+            raise ValueError(f"min_p must lie in [0, 1) (0 = off), got {self.min_p}")
         if self.greedy and (self.top_k, self.top_p, self.min_p) != (0, 1.0, 0.0):
-            raise ValueError("--top-k, --top-p and --min-p apply at a temperature above 0: at temperature 0 "
-                             "decoding is greedy (set --temperature, or leave them off)")
+            raise ValueError("top_k, top_p and min_p apply at a temperature above 0: at temperature 0 "
+                             "decoding is greedy")
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +110,61 @@ class Sampling:
 
 
 GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class Served:
+    """How the target is served, which is what a tau answers for: the sampling of its completions, how many per
+    prompt and their seed, and the tokens it verifies per step. One value with one label, which results, series,
+    run names and tags all read."""
+
+    sampling: Sampling = GREEDY
+    samples: int = 1  # completions per prompt
+    seed: int = 0  # of the sampled completions
+    block_size: int | None = None  # tokens verified per step when not the drafter's own block size; None: its own
+    given: bool = False  # the completions were given (a file), not generated: how they were sampled is not known
+
+    @property
+    def label(self) -> str:
+        """"greedy", "T=0.6 top-k 20, 8 samples per prompt, seed 0", "given completions", then ", blocks of 4"
+        when a block size is chosen."""
+        if self.given:
+            made = "given completions"
+        elif self.sampling.greedy:
+            made = "greedy"
+        else:
+            made = f"{self.sampling.describe()}, {self.samples} samples per prompt, seed {self.seed}"
+        return made + (f", blocks of {self.block_size}" if self.block_size else "")
+
+    @property
+    def default(self) -> bool:
+        """Greedy at the drafter's own block size: what names and messages need not mention."""
+        return self.label == "greedy"
+
+    def tags(self) -> list[str]:
+        """Prefect tags of a run served so, to filter by (none when greedy at the drafter's block size)."""
+        tags = []
+        if self.given:
+            tags.append("references:given")
+        elif not self.sampling.greedy:
+            tags += [f"sampling:{self.sampling.describe()}", f"samples:{self.samples}"]
+        if self.block_size:
+            tags.append(f"block-size:{self.block_size}")
+        return tags
+
+    def to_json(self) -> dict:
+        """What results hold of it: the label, then every value."""
+        return {"label": self.label, "references": "given" if self.given else "greedy" if self.sampling.greedy
+                else "sampled", **asdict(self.sampling), "samples": self.samples, "seed": self.seed,
+                "block_size": self.block_size}
+
+    @classmethod
+    def from_record(cls, sampling: dict | None, given: bool = False, block_size: int | None = None) -> "Served":
+        """The served setting a references record's `sampling` (None: greedy), whether its completions were given,
+        and a drafts record's chosen block size describe."""
+        if sampling is None:
+            return cls(given=given, block_size=block_size)
+        return cls(Sampling.from_identity(sampling), sampling["samples"], sampling["seed"], block_size, given)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

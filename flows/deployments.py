@@ -11,6 +11,7 @@ prefect.yaml declares the same deployments for the work-pool route (several mach
 """
 
 import asyncio
+from typing import Any
 
 from prefect import Flow
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
@@ -19,6 +20,7 @@ from prefect.runner import Runner
 
 from .evaluate import RERUN_FLOWS, evaluate_checkpoint
 from .notify import EVENT, RESOURCE_PREFIX
+from .settings import Settings
 from .warm_runs import start_flow_runs_from_forkserver
 from .watch import watch_relay
 
@@ -33,26 +35,25 @@ def checkpoint_saved_trigger() -> DeploymentEventTrigger:
     )
 
 
-def build_deployments(target: str, prompts: str, store: str | None = None, relay: str | None = None,
-                      watch_interval: float = 300, max_new_tokens: int = 256,
-                      parameters: dict | None = None) -> list[tuple[Flow, dict]]:
-    """The deployments `dflash-eval serve` serves: (flow, Runner.add_flow's keyword arguments) each."""
-    settings = {"target": target, "prompts": prompts, "store": store, "max_new_tokens": max_new_tokens,
-                **(parameters or {})}
-    deployments = [(evaluate_checkpoint, dict(
-        name="evaluate-checkpoint", parameters=settings, triggers=[checkpoint_saved_trigger()],
+def build_deployments(settings: Settings, relay: str | None = None,
+                      watch_interval: float = 300) -> list[tuple[Flow, dict[str, Any]]]:
+    """The deployments `dflash-eval serve` serves: (flow, Runner.add_flow's keyword arguments) each. Their
+    parameters are the settings by group (the deployment form shows each group as a section); the watcher's
+    evaluations take evaluate-checkpoint's."""
+    parameters = settings.model_dump(mode="json")
+    deployments: list[tuple[Flow, dict[str, Any]]] = [(evaluate_checkpoint, dict(
+        name="evaluate-checkpoint", parameters=parameters, triggers=[checkpoint_saved_trigger()],
         description="Score a drafter checkpoint; started by each dflash.checkpoint.saved event.",
     ))]
     if relay:
         deployments.append((watch_relay, dict(
-            name="watch-relay", interval=watch_interval,
-            parameters={"relay": relay, "target": target, "prompts": prompts, "store": store,
-                        "max_new_tokens": max_new_tokens, "parameters": parameters or {}},
-            description=f"Start evaluations of the checkpoints on {relay} not scored yet, oldest step first.",
+            name="watch-relay", interval=watch_interval, parameters={"relay": relay},
+            description=f"Start evaluations of the checkpoints on {relay} not scored yet, oldest step first, with "
+                        "evaluate-checkpoint's settings.",
         )))
     for stage, rerun in RERUN_FLOWS.items():
         deployments.append((rerun, dict(
-            name=f"rerun-{stage}", parameters=settings,
+            name=f"rerun-{stage}", parameters=parameters,
             description=f"Recompute the {stage} stage of one checkpoint (give `drafter`), then score it; what it "
                         "needs comes from the store.",
         )))
@@ -84,12 +85,13 @@ def crash_orphaned_runs(deployment_ids) -> list[str]:
             state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING, StateType.PENDING]))))
         for run in running:
             client.set_flow_run_state(run.id, Crashed(message=ORPHANED), force=True)
-            lines.append(f"flow run {run.name} ({run.id}) was left {run.state.name} by a serve that stopped: "
-                         "marked Crashed")
+            left = run.state.name if run.state else "unfinished"
+            lines.append(f"flow run {run.name} ({run.id}) was left {left} by a serve that stopped: marked Crashed")
     return lines
 
 
-def serve_deployments(poll_seconds: float = 0.25, **kwargs) -> None:
+def serve_deployments(settings: Settings, poll_seconds: float = 0.25, relay: str | None = None,
+                      watch_interval: float = 300) -> None:
     """Register the deployments and run their flow runs from this process until interrupted.
 
     Each flow run is a fork of a forkserver that has imported the flows (flows/warm_runs.py). That needs
@@ -100,7 +102,7 @@ def serve_deployments(poll_seconds: float = 0.25, **kwargs) -> None:
     """
     start_flow_runs_from_forkserver()
     runner = Runner(pause_on_shutdown=True, query_seconds=poll_seconds)
-    deployments = build_deployments(**kwargs)
+    deployments = build_deployments(settings, relay, watch_interval)
     ids = [runner.add_flow(flow, **options) for flow, options in deployments]
     for line in crash_orphaned_runs(ids):
         print(line, flush=True)

@@ -26,6 +26,7 @@ def storage_full_message(e: OSError, store: Store) -> str:
     written = e.filename2 or e.filename  # shutil's copies name the destination second
     entry = store.newest_incomplete_entry()
     place = Path(written) if written else entry[2] if entry else store.root
+    assert e.errno is not None, "a full disk's error (is_storage_full)"
     message = f"{STORAGE_FULL[e.errno]} while writing {place}"
     if e.errno != errno.EFBIG:
         try:

@@ -76,15 +76,17 @@ class TiedServer(SubprocessASGIServer):
 
     _start_lock = threading.Lock()  # one waits for the server; another thread's API call waits for that one
 
-    def launch(self) -> None:
-        """Start the server's process, without waiting for it to answer (nothing if it is started already)."""
+    def launch(self) -> subprocess.Popen:
+        """Start the server's process, without waiting for it to answer (nothing if it is started already); the
+        process."""
         if self.server_process is not None:
-            return
+            return self.server_process
         if self.port is None:
             self.port = self._free_port()
         subprocess_server_logger.info(f"Starting temporary server on {self.address}")  # as Prefect's start() does
         self.server_process = self._run_uvicorn_command()
         atexit.register(self.stop)
+        return self.server_process
 
     def start(self, timeout: float | None = None) -> None:
         """Launch the server if not yet, and wait until it answers, at most `timeout` seconds (default:
@@ -95,14 +97,14 @@ class TiedServer(SubprocessASGIServer):
                 self._wait_until_it_answers(timeout or startup_allowance())
 
     def _wait_until_it_answers(self, allowance: float) -> None:
-        self.launch()
+        process = self.launch()
         deadline = time.monotonic() + allowance
         with httpx.Client() as client:
             while time.monotonic() < deadline:
-                if self.server_process.poll() == PORT_IN_USE_EXIT:
+                if process.poll() == PORT_IN_USE_EXIT:
                     self.port = self._free_port()
-                    self.server_process = self._run_uvicorn_command()
-                elif self.server_process.poll() is not None:
+                    self.server_process = process = self._run_uvicorn_command()
+                elif process.poll() is not None:
                     break
                 try:
                     if client.get(f"{self.api_url}/health", timeout=5).status_code == 200:
@@ -111,7 +113,7 @@ class TiedServer(SubprocessASGIServer):
                 except httpx.TransportError:  # not listening yet, or too busy to answer
                     pass
                 time.sleep(0.1)
-        exit_code = self.server_process.poll()
+        exit_code = process.poll()
         self._abandon()
         raise LocalServerError(self._failure(allowance, exit_code))
 
@@ -129,6 +131,8 @@ class TiedServer(SubprocessASGIServer):
         """Stop the process that did not start and take it out of Prefect's registry, so that nothing waits on it
         any more; quietly (Prefect's stop() logs the stop of a server that ran)."""
         process, self.server_process = self.server_process, None
+        if process is None:
+            return
         process.terminate()
         try:
             process.wait(timeout=5)

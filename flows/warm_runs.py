@@ -35,5 +35,5 @@ def start_flow_runs_from_forkserver(preload: list[str] = PRELOAD) -> None:
     multiprocessing.set_forkserver_preload(preload)
     shim = types.ModuleType("multiprocessing")
     shim.__dict__.update(vars(multiprocessing))
-    shim.get_context = _forkserver_context
+    setattr(shim, "get_context", _forkserver_context)  # noqa: B010 (a module object's attribute)
     prefect.flow_engine.multiprocessing = shim

@@ -185,8 +185,7 @@ def score_table(results: dict) -> list[dict]:
         ("decode steps", results["n_steps"]),
         ("clipped last steps", results["clipped_last_steps"]),
         ("sliding semantics", results["sliding_semantics"]),
-        ("references", results.get("sampling_label", "greedy")),
-        ("samples per prompt", results.get("samples_per_prompt", 1)),
+        ("served", results["served"]["label"]),
     ]
     intervals = results.get("position_acceptance_ci95") or [None] * len(results["position_acceptance"])
     counts = results.get("position_counts") or {}
@@ -221,8 +220,7 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     lines = [f"## {drafter['source']}" + (f" (step {drafter['step']})" if drafter["step"] is not None else ""),
              "", f"**tau {results['tau_macro']:.3f}** (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
              f"block {results['block_size']}, {results['n_scored_prompts']} prompts"
-             + ("" if results.get("sampling_label", "greedy") == "greedy" else
-                f", {results['sampling_label']} ({results.get('samples_per_prompt', 1)} per prompt)"), ""]
+             + ("" if results["served"]["label"] == "greedy" else f", {results['served']['label']}"), ""]
     if found is None:
         lines.append("No history for this checkpoint (its store entries were removed).")
     else:
@@ -269,12 +267,13 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     lines += training_markdown(results.get("training"))
     ran = [s for s, status in results["stages"].items() if status == "ran"]
     lines += ["", f"Stages that ran: {', '.join(ran) or 'none (all cached)'}."]
-    if served:
-        if plot:
-            lines += ["", f"![tau by training step]({served}{plot})"]
-        lines += ["", f"Report: [{served}{report.name}]({served}{report.name})"]
-    elif report is not None:
-        lines.append(f"Report: `{report}`")
+    if report is not None:
+        if served:
+            if plot:
+                lines += ["", f"![tau by training step]({served}{plot})"]
+            lines += ["", f"Report: [{served}{report.name}]({served}{report.name})"]
+        else:
+            lines.append(f"Report: `{report}`")
     if reruns:
         lines += ["", "Rerun one stage of this checkpoint:", "", "```", *rerun_commands(results), "```"]
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dflash_core.checkpoint_files import model_name
 from dflash_core.metrics import paired_difference_interval
-from dflash_core.sampling import Sampling
+from dflash_core.sampling import Served
 from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, key_of, read_json
 from dflash_eval.storage.integrity import StaleEntryWarning, stale_upstream
 from dflash_eval.storage.schema import (
@@ -87,7 +87,7 @@ class Group:
     chosen_block_size: int | None  # --block-size; None: each drafter's own
     title: str  # "<target> on <prompts>, ...", for people
     sweep_title: str  # the title without the block size: the same for every block size of one sweep
-    setting: str  # how it is served, in short: "greedy", "T=0.6 top-k 20 x8", "greedy, blocks of 4", ...
+    setting: str  # how the target is served: dflash_core.sampling.Served's label ("greedy, blocks of 4", ...)
     series: str  # its key in Prefect (artifact keys, the `series:` tag): series_key
     rows: list[HistoryRow] = field(default_factory=list)  # candidates in history order (module doc), then baselines
 
@@ -168,20 +168,20 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
         rows.append(row)
     for group in groups.values():
         candidates = in_history_order(group.candidates)
-        stepped = [r for r in candidates if r.step is not None]
         best = max(candidates, key=lambda r: r.tau_macro, default=None)  # the first of equals, in order
-        group.rows = [replace(r, best=r is best, regression=_regressed(r, stepped))
+        group.rows = [replace(r, best=r is best, regression=_regressed(r, candidates))
                       for r in candidates + sorted(group.baselines, key=_scored)]
     return sorted(groups.values(), key=lambda g: g.title)
 
 
-def _regressed(row: HistoryRow, stepped: list[HistoryRow]) -> bool:
-    """Whether `row` is worse than the best of the `stepped` candidates of an earlier step (paired_interval
-    below 0; without per-reference taus, its whole interval below the other's): only against steps known to
-    come before it, so a row without a step (or a baseline) never is."""
+def _regressed(row: HistoryRow, candidates: list[HistoryRow]) -> bool:
+    """Whether `row` is worse than the best of the `candidates` of an earlier step (paired_interval below 0;
+    without per-reference taus, its whole interval below the other's): only against steps known to come
+    before it, so a row without a step (or a baseline) never is."""
     if row.baseline or row.step is None:
         return False
-    best_earlier = max((r for r in stepped if r.step < row.step), key=lambda r: r.tau_macro, default=None)
+    best_earlier = max((r for r in candidates if r.step is not None and r.step < row.step),
+                       key=lambda r: r.tau_macro, default=None)
     if best_earlier is None:
         return False
     if (paired := paired_interval(row, best_earlier)) is not None:
@@ -236,8 +236,7 @@ def series_key(store: Store, features_key: str, sliding_semantics: str, chosen_b
 def _describe(store: Store, features_key: str, sliding_semantics: str,
               chosen_block_size: int | None) -> tuple[str, str, str, str]:
     """A group's (title, sweep title, setting, series key): the title for people, that title without the block
-    size, the setting in short (how the references were made, the block size when chosen), its key in Prefect."""
-    blocks = f", blocks of {chosen_block_size}" if chosen_block_size else ""
+    size, how the target is served (dflash_core.sampling.Served's label), its key in Prefect."""
     try:
         # a title only: records, no files read
         features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, features_key, verify=False,
@@ -245,28 +244,21 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
         references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
                                                                     verify=False, discard_damaged=False))
     except (EntryMissing, KeyError):
+        served = Served(block_size=chosen_block_size)
+        blocks = "" if served.default else f", {served.label}"
         title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
         return (title + blocks, title, f"features {features_key[:12]}" + blocks,
                 series_key(store, features_key, sliding_semantics, chosen_block_size, "features", features_key[:12]))
     target = references.target_name or model_name(references.target or "target")  # older entries: from the path
     prompts = Path(references.prompts).name or "prompts"
-    if references.backend.get("kind") == "given":
-        made = "given completions"
-    else:
-        made = sampling_label(references.sampling)
-    served = "" if made == "greedy" else f", {made}"
-    title = f"{target} on {prompts}, {references.max_new_tokens} new tokens{served}"
+    given = references.backend.get("kind") == "given"
+    served = Served.from_record(references.sampling, given, chosen_block_size)
+    swept = Served.from_record(references.sampling, given)  # the same without the block size
+    title = f"{target} on {prompts}, {references.max_new_tokens} new tokens"
     semantics = f" ({sliding_semantics} sliding layers)"
-    short = made if not references.sampling else f"{made.split(',')[0]} x{references.sampling['samples']}"
-    return (title + blocks + semantics, title + semantics, short + blocks,
+    return (title + ("" if served.default else f", {served.label}") + semantics,
+            title + ("" if swept.default else f", {swept.label}") + semantics, served.label,
             series_key(store, features_key, sliding_semantics, chosen_block_size, target, prompts))
-
-
-def sampling_label(sampling: dict | None) -> str:
-    """How a references record's sampling reads: "greedy", or e.g. "T=0.6 top-k 20, 8 samples per prompt"."""
-    if not sampling:
-        return "greedy"
-    return f"{Sampling.from_identity(sampling).describe()}, {sampling['samples']} samples per prompt (seed {sampling['seed']})"
 
 
 def source_name(source: str) -> str:

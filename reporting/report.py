@@ -35,9 +35,12 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from matplotlib import colormaps
+from matplotlib.artist import Artist
 from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.container import ErrorbarContainer
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+from matplotlib.typing import ColorType
 
 from dflash_eval.reporting.history import Group, HistoryRow, history
 from dflash_eval.reporting.training_side import TrainingSide, training_sides
@@ -398,10 +401,10 @@ def _slug(row: HistoryRow) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", row.label).strip("-") + "-" + row.scores[:8]
 
 
-def _colors(shown: list[HistoryRow]) -> dict[str, object]:
+def _colors(shown: list[HistoryRow]) -> dict[str, ColorType]:
     """scores key -> colour: candidates from light (older) to dark (newest), baselines their own colours."""
     candidates = [r for r in shown if not r.baseline]
-    colors = {}
+    colors: dict[str, ColorType] = {}
     for i, row in enumerate(candidates):
         colors[row.scores] = colormaps["viridis"](0.8 - 0.7 * i / max(1, len(candidates) - 1))
     for i, row in enumerate(r for r in shown if r.baseline):
@@ -430,13 +433,13 @@ def _tau_plot(group: Group) -> bytes:
     runs: dict[str, list[HistoryRow]] = {}
     for row in stepped:
         runs.setdefault(str(Path(row.source.rstrip("/")).parent), []).append(row)
-    handles = []  # in the legend's order
+    handles: list[Artist | ErrorbarContainer] = []  # in the legend's order
     for i, (run, rows) in enumerate(runs.items()):
         taus = [r.tau_macro for r in rows]
         errors = [[t - r.tau_macro_ci95[0] if r.tau_macro_ci95 else 0 for t, r in zip(taus, rows)],
                   [r.tau_macro_ci95[1] - t if r.tau_macro_ci95 else 0 for t, r in zip(taus, rows)]]
         label = "tau macro, 95% CI" if len(runs) == 1 else f"{Path(run).name}: tau macro, 95% CI"
-        handles.append(ax.errorbar([r.step for r in rows], taus, yerr=errors, marker="o", capsize=4,
+        handles.append(ax.errorbar(_steps(rows), taus, yerr=errors, marker="o", capsize=4,
                                    color=RUN_COLORS[i % len(RUN_COLORS)], label=label))
     best = group.best
     if best is not None and best.step is not None:
@@ -445,7 +448,7 @@ def _tau_plot(group: Group) -> bytes:
                                   edgecolor="black", zorder=6, label=label))
     regressions = [r for r in stepped if r.regression]
     if regressions:
-        handles.append(ax.scatter([r.step for r in regressions], [r.tau_macro for r in regressions], s=90,
+        handles.append(ax.scatter(_steps(regressions), [r.tau_macro for r in regressions], s=90,
                                   color="red", zorder=5, label="regression"))
     for i, row in enumerate(group.baselines):
         color = BASELINE_COLORS[i % len(BASELINE_COLORS)]
@@ -453,7 +456,7 @@ def _tau_plot(group: Group) -> bytes:
                                   label=f"baseline {row.label} ({row.tau_macro:.2f})"))
         if row.tau_macro_ci95:
             ax.axhspan(*row.tau_macro_ci95, color=color, alpha=0.12)
-    steps = sorted({r.step for r in stepped})
+    steps = sorted(set(_steps(stepped)))
     if len(steps) <= 12:
         ax.set_xticks(steps)
     ax.set_xlabel("training step")
@@ -462,8 +465,13 @@ def _tau_plot(group: Group) -> bytes:
     ax.grid(alpha=0.3)
     # outside the axes: it never covers a point
     fig.legend(handles=handles, loc="outside lower center",
-               ncols=min(2, _legend_columns([h.get_label() for h in handles], 9)))
+               ncols=min(2, _legend_columns([str(h.get_label()) for h in handles], 9)))
     return _png(fig)
+
+
+def _steps(rows: list[HistoryRow]) -> list[int]:
+    """The training steps of `rows`, which all have one: the filter drops nothing, it tells the type checker so."""
+    return [r.step for r in rows if r.step is not None]
 
 
 def _acceptance_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: dict) -> bytes:
@@ -547,7 +555,7 @@ def _ablation_plot(report: dict, tau: float) -> bytes:
     return _png(fig)
 
 
-def _offset_plot(probe: list[HistoryRow], tau: float) -> bytes:
+def _offset_plot(probe: list[dict], tau: float) -> bytes:
     probed = [p for p in probe if p["tau_macro"] is not None]
     # tick labels list the layers read: give each tick room for five of them
     fig = Figure(figsize=(max(7, 1.6 * len(probed) + 1), 4.5), dpi=DPI, layout="constrained")

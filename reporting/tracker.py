@@ -8,7 +8,7 @@ place, the old ones are removed after). Our event files end in TRACKER_SUFFIX, s
 (dflash_eval.reporting.training_log) never takes them for the trainer's.
 
 Scalars, at each checkpoint's training step, under PREFIX (greedy at the drafter's block size) or
-PREFIX/<setting> (a sampled setting, a chosen block size: "T=0.6 x8", "greedy, blocks of 4"):
+PREFIX/<setting> (a sampled setting, a chosen block size: dflash_core.sampling.Served's label, "greedy, blocks of 4"):
 tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high, all_positions_tau (when scored),
 acceptance_at_position/<k> (P(position k accepted | earlier ones accepted)), teacher_forced_accuracy/<k>
 (scored with --all-positions), and, where the trainer's log implies one, trainer_implied_acceptance. The gap alarm's flags are text, PREFIX/flags.

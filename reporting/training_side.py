@@ -137,7 +137,8 @@ def _best_mismatch(side: TrainingSide) -> list[Flag]:
         if found is None:
             return []
         name, points = found
-        known = {r.step: before[-1] for r in side.rows if (before := [v for s, v in points if s <= (r.step or 0)])}
+        known = {r.step: before[-1] for r in side.rows
+                 if r.step is not None and (before := [v for s, v in points if s <= r.step])}
         if not known:
             return []
         step, by_what = max(known, key=lambda s: known[s]), f"its own {name}"
@@ -204,7 +205,7 @@ def _gaps(side: TrainingSide) -> list[Flag]:
                                f"{_percentages(theirs[:len(ours)])})")
         if reasons:
             leak = ""
-            if len(theirs) >= 3 and min(theirs) >= LEAK_ACCURACY:
+            if theirs and len(theirs) >= 3 and min(theirs) >= LEAK_ACCURACY:
                 leak = (f" Most likely a leak: the trainer's accuracy is {min(theirs):.0%} or higher at every draft "
                         "position up to the block's last, where a drafter that cannot see the block's answers falls; "
                         "attention leaking into the block's future does this.")

@@ -9,11 +9,14 @@
   however slowly their bytes trickle; a send that makes no progress for `send_timeout` seconds ends
   the connection; `read_body` takes a body of at most `max_body_bytes`, also within `request_timeout`
   (413 over the cap, before a byte of it is read: a handler checks who asks before it reads).
+- `BackgroundServer`: the lifecycle every server shares (bind, start in a thread or serve in this one,
+  stop); each server subclasses it with its own handler.
 
 Every server dflash-eval ships uses these: the relay, the reference server, the report server. Why the
 stdlib and not Starlette/uvicorn: docs/relay.md, Security. Knows nothing of what is served.
 """
 
+import errno
 import io
 import ipaddress
 import json
@@ -24,6 +27,7 @@ import threading
 import time
 from collections import deque
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Self
 
 _log = logging.getLogger(__name__)
 
@@ -260,3 +264,97 @@ class BoundedHTTPServer(ThreadingHTTPServer):
     def active_connections(self) -> int:
         """Connections being served now (each holds one thread)."""
         return len(self._active)
+
+
+class _IPv6HTTPServer(BoundedHTTPServer):
+    address_family = socket.AF_INET6
+
+
+class PortInUse(OSError):
+    """Another process listens on the address a server was asked to bind; the message names it."""
+
+
+class BackgroundServer:
+    """A `BoundedHTTPServer` and its lifecycle, the same for every server we ship.
+
+    The constructor binds (PortInUse if the port is taken), so a caller fails before doing any work;
+    `url` and `port` say where it listens (port=0 picks a free one). `start()` serves in a daemon
+    thread, `serve_forever()` in this one until Ctrl+C; `with server:` starts and stops it.
+
+    `stop()` stops accepting, ends every live connection (its socket is shut down, so a handler
+    waiting for a client's next request or sending to it returns at once), waits up to
+    STOP_WAIT_SECONDS for the connections' threads, then releases the port. Chosen so that a stop is
+    prompt whatever clients do: an idle keep-alive connection would otherwise hold its thread up to
+    `request_timeout` (30 s) and go on answering after the stop. The port is free for the next start
+    at once, and what a client loses it recovers: the relay's client resumes a cut download, the
+    reference backends retry a request.
+    """
+
+    POLL_SECONDS = 0.1  # how often the serving loop looks for a stop (and closes refused sockets)
+    STOP_WAIT_SECONDS = 5.0  # the longest stop() waits for a thread still computing an answer
+
+    def __init__(self, host: str, port: int, handler: type[BaseHTTPRequestHandler], max_connections: int,
+                 max_per_client: int, *, name: str, logger: logging.Logger = _log):
+        server_class = _IPv6HTTPServer if ":" in host else BoundedHTTPServer
+        try:
+            self._httpd = server_class((host, port), handler, max_connections, max_per_client, name=name,
+                                       logger=logger)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(e.errno, f"port {port} on {host} is already in use") from None
+            raise
+        self.port: int = self._httpd.server_address[1]
+        # a wildcard address is no address a client elsewhere could use: name this machine instead
+        shown = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
+        self.url = f"http://[{shown}]:{self.port}" if ":" in shown else f"http://{shown}:{self.port}"
+        self._thread: threading.Thread | None = None
+        self._serving = False  # a serving loop runs (in the thread, or in serve_forever's caller)
+        self._stop_lock = threading.Lock()
+
+    def start(self) -> Self:
+        """Serve in a daemon thread; returns self."""
+        if self._thread is None:
+            self._serving = True
+            self._thread = threading.Thread(target=self._httpd.serve_forever, args=(self.POLL_SECONDS,),
+                                            name=self._httpd.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until Ctrl+C (or stop() from another thread); then stop."""
+        self._serving = True
+        try:
+            self._httpd.serve_forever(self.POLL_SECONDS)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self._serving = False
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop accepting, end the live connections, release the port (the class docstring says why so)."""
+        with self._stop_lock:
+            if self._serving:
+                self._httpd.shutdown()  # returns once the serving loop has ended
+                self._serving = False
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            self._httpd.server_close()
+            self._httpd.close_connections(wait=self.STOP_WAIT_SECONDS)
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def active_connections(self) -> int:
+        """Connections being served now (each holds one thread)."""
+        return self._httpd.active_connections
+
+    @property
+    def refused_connections(self) -> int:
+        """Connections answered 503 since start because a bound was reached."""
+        return self._httpd.refused

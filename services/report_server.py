@@ -16,19 +16,16 @@ Bounded as every server we ship (dflash_eval.services.http_server): MAX_CONNECTI
 opens a few), a request must arrive whole within REQUEST_SECONDS (an idle keep-alive one is closed then).
 """
 
-import errno
 import logging
 import os
 import shutil
-import socket
 import stat
-import threading
 from email.utils import formatdate
 from pathlib import Path
 from typing import BinaryIO
 from urllib.parse import unquote, urlsplit
 
-from dflash_eval.services.http_server import BoundedHTTPServer, DeadlineRequestHandler
+from dflash_eval.services.http_server import BackgroundServer, DeadlineRequestHandler
 
 REPORT_URL_ENV = "DFLASH_REPORT_URL"
 DEFAULT_HOST = "127.0.0.1"
@@ -52,10 +49,6 @@ def report_url() -> str | None:
     return url if url.endswith("/") else url + "/"
 
 
-class PortInUse(OSError):
-    """Another process listens on the address the report server was asked for."""
-
-
 class _Refused(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -63,63 +56,19 @@ class _Refused(Exception):
         self.message = message
 
 
-class _IPv6Server(BoundedHTTPServer):
-    address_family = socket.AF_INET6
-
-
-class ReportServer:
+class ReportServer(BackgroundServer):
     """Serve `folder` read-only over HTTP at `url` (`http://HOST:PORT/`, the bound port when port=0).
 
-    The port is bound in the constructor (PortInUse if taken), so a caller fails before doing any work.
-    The folder need not exist yet: files are looked up per request (404 until the first report).
-    Use `start()`/`stop()` (a daemon thread), `with ReportServer(...) as server:`, or `serve_forever()`.
+    Binds in the constructor (PortInUse if the port is taken), so a caller fails before doing any work;
+    starts, serves and stops as every server (BackgroundServer). The folder need not exist yet: files
+    are looked up per request (404 until the first report).
     """
 
     def __init__(self, folder: str | os.PathLike, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT):
         self.folder = Path(folder).absolute()
-        server_class = _IPv6Server if ":" in host else BoundedHTTPServer
-        try:
-            self._httpd = server_class((host, port), self._handler_class(), MAX_CONNECTIONS, MAX_CONNECTIONS,
-                                       name="report server", logger=logger)
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise PortInUse(e.errno, f"port {port} on {host} is already in use") from None
-            raise
-        self.port = self._httpd.server_address[1]
-        # a wildcard address is no address a browser elsewhere could use: name this machine instead
-        shown = socket.getfqdn() if host in ("", "0.0.0.0", "::") else host
-        self.url = f"http://[{shown}]:{self.port}/" if ":" in shown else f"http://{shown}:{self.port}/"
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> "ReportServer":
-        """Serve in a daemon thread; returns self."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.2,), name="report-server",
-                                        daemon=True)
-        self._thread.start()
-        return self
-
-    def serve_forever(self) -> None:
-        """Serve in this thread until interrupted (Ctrl+C); then release the port."""
-        try:
-            self._httpd.serve_forever(0.2)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            self._httpd.server_close()
-
-    def stop(self) -> None:
-        """Stop serving and release the port."""
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._httpd.server_close()
-
-    def __enter__(self) -> "ReportServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().__init__(host, port, self._handler_class(), MAX_CONNECTIONS, MAX_CONNECTIONS, name="report server",
+                         logger=logger)
+        self.url += "/"  # the base of the report's files: `url + "report.html"`
 
     def _open_file(self, url_path: str) -> tuple[BinaryIO, os.stat_result, str]:
         """(open file, its fstat, content type) of the report file a request path names; raises _Refused."""

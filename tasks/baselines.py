@@ -6,6 +6,7 @@ as rows of their own, never the best and never a regression.
 
 from prefect import task
 from prefect.cache_policies import NONE
+from prefect.states import State
 
 from dflash_eval.storage import Store
 from dflash_eval.storage.schema import BaselineRecord, Stage
@@ -17,8 +18,9 @@ STAGE = Stage.BASELINES
 
 
 @task(name="baselines", cache_policy=NONE, persist_result=False)
-def mark_baseline(checkpoint: Checkpoint, store_location: str):
-    """Record in the store that `checkpoint` is scored as a baseline."""
+def mark_baseline(checkpoint: Checkpoint, store_location: str) -> str | State:
+    """Record in the store that `checkpoint` is scored as a baseline: its key (a Cached state when recorded
+    already)."""
     outcome = get_or_compute(Store(store_location), STAGE, checkpoint.key,
                              lambda entry: BaselineRecord(source=checkpoint.source, step=checkpoint.step).to_record())
     return checkpoint.key if outcome.computed else cached(checkpoint.key)

@@ -2,8 +2,10 @@
 agreement and the findings (dflash_core.diagnostics), from the cached features: drafter replays only, no target
 run."""
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from prefect import task
 from prefect.cache_policies import NONE
@@ -107,7 +109,8 @@ def diagnose(
         feature_reader = FeatureReader(features, refs, target_dir, store, dtype, device)
         needed = layers_needed(ids, num_layers)
         results: dict[str, list[ReplayResult]] = {v.name: [] for v in variants}
-        switched_results, examples = [], []
+        switched_results: list[ReplayResult] = []
+        examples: list[dict] = []
         agreement: dict[str, list[int]] = {}
         with StageProgress(STAGE, "prompts diagnosed", len(items)) as progress, replay_threads(drafter, len(items)):
             for start in range(0, len(items), PROMPTS_PER_GROUP):
@@ -134,7 +137,9 @@ def diagnose(
                     total[1] += compared
                 if len(examples) < EXAMPLES:
                     found = first_divergences(drafter, embed, lm_head, references, drafter_inputs,
-                                              unmodified[start:start + len(group)], tokenizer.decode,
+                                              unmodified[start:start + len(group)],
+                                              # transformers types decode for any ids: one sequence gives one string
+                                              cast(Callable[[list[int]], str], tokenizer.decode),
                                               block_size=drafts.block_size)
                     examples += [{"id": items[n].id, "category": items[n].category, **example}
                                  for n, example in zip(group, found) if example is not None]
@@ -144,9 +149,9 @@ def diagnose(
             return tau_macro([PromptScore(i.id, i.category, r.acceptance_lengths, r.starts, len(i.reference.token_ids))
                               for i, r in zip(items, replayed) if r.acceptance_lengths])
 
-        offsets = {0: (list(ids), scores.tau_macro)}
+        offsets: dict[int, tuple[list[int], float | None]] = {0: (list(ids), scores.tau_macro)}
         offsets.update({v.offset: (list(v.layer_ids), tau(results[v.name])) for v in variants if v.offset})
-        offsets.update({o: ([i + o for i in ids], None) for o in out_of_range})
+        offsets.update({o: ([i + o for i in ids], None) for o in out_of_range})  # not probed: no tau
         ablated = {i: tau(results[f"ablate layer {i}"]) for i in ids}
         noise_tau = tau(results[NOISE])
         report = {

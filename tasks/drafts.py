@@ -89,13 +89,16 @@ def draft(
 ):
     """Acceptance lengths per prompt, in decode order (drafted against the references, no target run);
     all_positions: also the acceptance length of a block at every position (dflash_core.replay);
-    block_size: verify blocks of this many tokens (<= the drafter's; None: the drafter's own).
+    block_size: the block size chosen (dflash_core.drafter_config.chosen_block_size, by the input checks): verify
+    blocks of this many tokens, fewer than the drafter's own; None: its own (one history series each).
     replay_group: prompts replayed together (see the module docstring); dask_address: draft each group on
     a worker of that Dask cluster (`target_dir` must be the same path on every worker)."""
     store = Store(store_location)
     config = checkpoint.config
-    chosen = block_size if block_size not in (None, config.block_size) else None  # a history series of its own
-    block_size = chosen or config.block_size
+    if block_size is not None and not 2 <= block_size < config.block_size:
+        raise ValueError(f"block size {block_size} is not one chosen for a drafter of block size {config.block_size}: "
+                         "give chosen_block_size(requested, own) (None: its own block size)")
+    chosen, block_size = block_size, block_size or config.block_size
     key = key_of({
         "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
         "block_size": block_size, "sliding_semantics": sliding_semantics,
@@ -110,6 +113,7 @@ def draft(
     models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device, block_size)
 
     def compute_on_cluster(entry: Path) -> dict:
+        assert dask_address is not None  # chosen only with a cluster's address
         verify_checkpoint(store, checkpoint)
         per_prompt, shards = draft_on_cluster(dask_address, store, key, models, features, refs, groups, labels,
                                               all_positions=all_positions, refresh=refresh)

@@ -169,12 +169,14 @@ class FeatureReader:
         def read(n):
             return contextvars.copy_context().run(self.read, layer_ids, n)  # the run's logger, in the thread
 
+        if not indices:
+            return
         with ThreadPoolExecutor(1) as pool:
-            ahead = pool.submit(read, indices[0]) if indices else None
-            for i in range(len(indices)):
-                current = ahead.result()
-                ahead = pool.submit(read, indices[i + 1]) if i + 1 < len(indices) else None
+            ahead = pool.submit(read, indices[0])
+            for following in indices[1:]:
+                current, ahead = ahead.result(), pool.submit(read, following)
                 yield current
+            yield ahead.result()
 
     def repair(self, damaged: dict[tuple[int, int], str]) -> None:
         """Extract the arrays `damaged` names ({(layer, sequence): reason}) again."""

@@ -94,6 +94,11 @@ class ReadyCheckpoint:
     client: RelayClient | None = None  # ... or a relay, with the manifest of the files to fetch
     manifest: dict | None = None
 
+    def relay(self) -> tuple[RelayClient, dict]:
+        """(client, manifest) of a checkpoint that is not local."""
+        assert self.client is not None and self.manifest is not None, "a checkpoint is local or on a relay"
+        return self.client, self.manifest
+
 
 def is_relay_url(source: str) -> bool:
     return urlsplit(source).scheme in ("http", "https")
@@ -177,6 +182,8 @@ def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...]
                               + (f"; its sub-folders {inner[:4]} do: pass one of them" if inner else "")) from None
     if pending is not None:
         raise _NotYet(pending)
+    if found is None:  # weights written between checkpoint_files' look and not_ready's: the next look judges them
+        raise _NotYet("drafter weights appeared just now")
     return ReadyCheckpoint(source, training_step(directory), found.layout, found.config_source, local=found)
 
 
@@ -251,8 +258,9 @@ def read_config(ready: ReadyCheckpoint, drafter_config: str | None = None) -> tu
         return _json_file(Path(drafter_config), "--drafter-config"), f"--drafter-config {Path(drafter_config).resolve()}"
     if ready.local is not None:
         return _json_file(ready.local.files[CONFIG], ready.source), ready.config_source
+    client, manifest = ready.relay()
     try:
-        raw = ready.client.read_small_file(ready.manifest["path"], CONFIG, manifest=ready.manifest)
+        raw = client.read_small_file(manifest["path"], CONFIG, manifest=manifest)
     except RelayError as e:
         raise CheckpointError(f"drafter {ready.source}: {e}") from None
     try:
@@ -281,10 +289,11 @@ def fetched_files(ready: ReadyCheckpoint, drafter_config: str | None, store: Sto
         cache = store.digest_cache()
         files = {name: cache.sha256(path) for name, path in ready.local.files.items()}
     else:
-        files = {f["name"]: f["sha256"] for f in ready.manifest["files"]}
+        files = {f["name"]: f["sha256"] for f in ready.relay()[1]["files"]}
     if ready.config_source is not None:
         return files, ready.config_source
     read_config(ready, drafter_config)  # the clear error when there is none
+    assert drafter_config is not None  # read_config raised without one
     return {**files, CONFIG: file_sha256(drafter_config)}, f"--drafter-config {Path(drafter_config).resolve()}"
 
 
@@ -313,20 +322,23 @@ def fetch_checkpoint(
                        f"({config_source}), which differs from it")
     logger.info(f"drafter {source}: {ready.layout} layout, config from {config_source}")
     key = key_of({"files": files})
-    external_config = ready.config_source is None  # the drafter_config file: copied in, not fetched
+    # the drafter_config file, copied in rather than fetched (fetched_files refused a checkpoint without a config
+    # and no drafter_config); None: the checkpoint's own config is fetched
+    external_config = drafter_config if ready.config_source is None else None
     parsed: list[DrafterConfig] = []  # the fetched copy's config, read once (by `compute` when it fetches)
 
     def compute(entry: Path) -> dict:
         destination = entry / CHECKPOINT_DIRNAME
         destination.mkdir(exist_ok=True)
-        fetched = {n: s for n, s in files.items() if not (external_config and n == CONFIG)}
-        if ready.client is not None:
+        fetched = {n: s for n, s in files.items() if not (external_config is not None and n == CONFIG)}
+        if ready.local is None:
+            client, manifest = ready.relay()
             # partial files stay in the entry if this is interrupted: the next run resumes them
-            manifest = dict(ready.manifest, files=[f for f in ready.manifest["files"] if f["name"] in fetched])
-            with StageProgress(STAGE, f"downloading {ready.manifest['path']}", manifest["total_bytes"]) as progress:
+            manifest = dict(manifest, files=[f for f in manifest["files"] if f["name"] in fetched])
+            with StageProgress(STAGE, f"downloading {manifest['path']}", manifest["total_bytes"]) as progress:
                 try:
-                    ready.client.download(manifest["path"], destination, manifest=manifest,
-                                          progress=lambda done, total: progress.update(done))
+                    client.download(manifest["path"], destination, manifest=manifest,
+                                    progress=lambda done, total: progress.update(done))
                 except RelayError as e:
                     raise CheckpointError(f"drafter {source}: the download stopped: {e}. What arrived is kept: "
                                           "run again to resume it") from None
@@ -337,10 +349,10 @@ def fetch_checkpoint(
                 if file_sha256(destination / name) != sha:
                     raise CheckpointError(f"{ready.local.files[name]} changed while it was copied into the store; "
                                           "run again once the trainer has finished writing it")
-        if external_config:
-            shutil.copyfile(drafter_config, destination / CONFIG)
+        if external_config is not None:
+            shutil.copyfile(external_config, destination / CONFIG)
             if file_sha256(destination / CONFIG) != files[CONFIG]:
-                raise CheckpointError(f"--drafter-config {drafter_config} changed while this run used it; run again")
+                raise CheckpointError(f"--drafter-config {external_config} changed while this run used it; run again")
         try:
             parsed.append(read_drafter_config(destination, tokenizer=target_tokenizer(target_dir)))
             weights_from = _export_payload(destination, parsed[0]) if ready.layout == "specforge" else None
@@ -349,7 +361,7 @@ def fetch_checkpoint(
             shutil.rmtree(entry)  # verified bytes of a bad checkpoint: nothing of it stays in the store
             where = str(e).replace(f"{destination}/", "").replace(f"{destination}: ", "")  # not the store's path
             raise CheckpointError(f"drafter {source}: {where}") from None
-        return FetchRecord(files=files, source=source if ready.client else str(ready.local.directory),
+        return FetchRecord(files=files, source=source if ready.local is None else str(ready.local.directory),
                            step=ready.step, layout=ready.layout, config_source=config_source,
                            weights_from=weights_from).to_record()
 

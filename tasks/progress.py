@@ -3,6 +3,8 @@
 import logging
 import sys
 import time
+from typing import cast
+from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -62,8 +64,10 @@ class StageProgress:
         )
         self.bar_task = self.bar.add_task(description, total=total)
         # outside a run (the command line's input checks) there is no run to attach an artifact to
-        self.artifact = (create_progress_artifact(0.0, description=f"{stage}: {description}") if in_run()
-                         else None)
+        # cast: Prefect types its sync-or-async functions as maybe returning a coroutine; called from sync code,
+        # as here, create_progress_artifact returns the artifact's id
+        self.artifact = (cast(UUID, create_progress_artifact(0.0, description=f"{stage}: {description}"))
+                         if in_run() else None)
         self.last_push = 0.0
         self.logged_quarter = 0
 

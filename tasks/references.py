@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from prefect import task
 from prefect.cache_policies import NONE
+from prefect.states import State
 from transformers import AutoTokenizer
 
 from dflash_core.checkpoint_files import model_name
@@ -42,6 +43,7 @@ from dflash_core.target import read_target_config
 from dflash_eval.services.reference.backends import (
     TOKENIZER_LOCK,
     BackendError,
+    HTTPBackend,
     LocalBackend,
     ServerModelChanged,
     fingerprint_difference,
@@ -69,7 +71,6 @@ class ReferenceSet:
     n: int  # references (a multi-turn prompt has one per turn, each sample its own)
     lookahead: int  # greedy tokens kept past each completion's end
     samples: int = 1  # completions per prompt (1 when greedy)
-    sampling: str = "greedy"  # Sampling.describe() of the settings
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ def generate_turns(backend, tokenizer, prompt: Prompt, max_new_tokens: int, stop
                    sample: int = 0) -> list[dict]:
     """Every turn of one prompt (sample `sample` of it when sampled): prompt ids, completion (+ lookahead)
     ids, where the completion ends."""
-    turns, answers = [], []
+    turns: list[dict] = []
+    answers: list[str] = []
     for k in range(max(1, len(prompt.turns))):
         if k == 0:
             prompt_ids = list(prompt.input_ids)
@@ -226,13 +228,14 @@ def generate_references(
     prompts = read_prompts(resolve_prompts(prompts_source), tokenizer, thinking=thinking,
                            vocab_size=read_target_config(target_dir).vocab_size)
     stop_ids = list(read_target_config(target_dir).eos_token_ids)
+    backend: LocalBackend | HTTPBackend
     if reference == "local":
-        backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
-                               {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type})
+        local = backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
+                                       {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type})
 
         @functools.cache  # once, on the first prompt decoded (cached references load no target)
         def target_parameters() -> int:
-            return parameter_count(backend.load_target().model)
+            return parameter_count(local.load_target().model)
 
         def decoding_threads():
             # one token per forward: a small target decodes faster on fewer threads (tasks/threads.py)
@@ -308,13 +311,12 @@ def generate_references(
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
     record = ReferencesRecord.from_record(outcome.record)
     refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record.n_prompts, n=record.n,
-                        lookahead=record.lookahead, samples=(record.sampling or {}).get("samples", 1),
-                        sampling=sampling.describe())
+                        lookahead=record.lookahead, samples=(record.sampling or {}).get("samples", 1))
     return refs if outcome.computed else cached(refs)
 
 
 def store_given_references(path: str, target_dir: str, store: Store, thinking: bool = False,
-                           refresh: bool = False, target_name: str | None = None) -> ReferenceSet:
+                           refresh: bool = False, target_name: str | None = None) -> ReferenceSet | State:
     """The references stage for completions you already have: the file's completions, stored as a references
     entry keyed by their content (and the target's, whose tokenizer read them), one seq_<n>.json per line."""
     target_config = read_target_config(target_dir)
@@ -340,5 +342,5 @@ def store_given_references(path: str, target_dir: str, store: Store, thinking: b
 
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
     refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=len(completions), n=len(completions),
-                        lookahead=0, sampling="given completions")
+                        lookahead=0)
     return refs if outcome.computed else cached(refs)

@@ -50,7 +50,6 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         if all(d.get("position_hits") is not None for d in per_prompt):  # all-positions drafts since they kept it
             summary["teacher_forced_accuracy"] = teacher_forced_accuracy([d["position_hits"] for d in per_prompt])
         summary["sliding_semantics"] = drafts.sliding_semantics
-        summary["sampling_label"] = refs.sampling  # "greedy", the settings, or "given completions"
         # references a server gave only as text whose re-tokenisation did not round-trip
         summary["unverified_references"] = [item.id for item in items if not item.verified]
         write_json_atomic(entry / SCORES_FILE, summary, indent=1)

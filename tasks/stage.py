@@ -75,17 +75,18 @@ def get_or_compute(
     removed and again once it is recomputed (default: the entry's content digest; the features stage
     compares the digest of the layers the replaced entry held).
     """
-    replaced = []  # the digest of what a refresh replaces, taken before it is removed
+    replaced: list[tuple[Entry, str | None]] = []  # the entry a refresh replaces, its digest taken before removal
 
     def on_miss(miss: Miss) -> None:
         log_miss(stage, key, miss)
         if miss.kind == REFRESH and miss.entry is not None:
-            replaced.append(compared(miss.entry) if compared else miss.entry.content)
+            replaced.append((miss.entry, compared(miss.entry) if compared else miss.entry.content))
 
     outcome = store.get_or_compute(stage, key, compute, refresh=refresh, upstream=upstream, holds=holds,
                                    extend=extend, on_miss=on_miss, skip=skip)
     if replaced:
-        report_refresh(stage, key, replaced[0], compared(outcome.miss.entry) if compared else outcome.content)
+        entry, before = replaced[0]
+        report_refresh(stage, key, before, compared(entry) if compared else outcome.content)
     return outcome
 
 

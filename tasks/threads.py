@@ -54,8 +54,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # the drafter module imports transformers: not worth it for an annotation
+    from dflash_core.drafter import DFlashDrafter
 
 # Ops below this much work (parameters x tokens processed by one forward) compute on one thread. bench_threads.py
 # on 2 cores, 2 threads / 1 thread: when the machine was otherwise idle, greedy decoding up to the 125M-parameter
@@ -281,6 +285,7 @@ def thread_budget() -> ThreadBudget:
     """This process's budget (configure_threads() with the defaults, if nothing set one yet)."""
     if _budget is None:
         configure_threads(set_default=False)
+    assert _budget is not None  # configure_threads set it
     return _budget
 
 
@@ -299,7 +304,7 @@ def compute_threads(work_per_op: float | None = None) -> Iterator[int]:
         yield n
 
 
-def replay_threads(drafter: torch.nn.Module, references: int, max_blocks: int = 64):
+def replay_threads(drafter: "DFlashDrafter", references: int, max_blocks: int = 64):
     """compute_threads for replaying the loaded `drafter` over `references` references (the drafts and
     diagnostics stages): each of its forwards drafts up to `max_blocks` blocks of its block size at once
     (dflash_core.replay), one per reference still decoding."""

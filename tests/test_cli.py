@@ -48,17 +48,22 @@ def test_a_value_outside_the_choices_gets_one_line(command, line):
 
 
 def test_the_choices_are_the_constants_the_code_checks_against():
-    """The command line builds its choices from dflash_core.choices (no torch): they are the ones the code checks
-    against."""
+    """The settings' choices are written out for the command line and the deployment forms (no torch): they are the
+    ones the code checks against."""
+    from typing import get_args
+
     from dflash_core.choices import SLIDING_SEMANTICS
     from dflash_core.target import DTYPES as SERVED_DTYPES
-    from dflash_eval.flows.cli.options import Arch, Dtype, ServedDtype, SlidingSemantics
+    from dflash_eval.flows.cli.options import Arch, ServedDtype
+    from dflash_eval.flows.settings import STAGES, DtypeName, SlidingSemanticsName
+    from dflash_eval.storage.schema import Stage
     from dflash_eval.tasks.target import AUTO, DTYPE_CHOICES
     from dflash_eval.tiny.target import DEFAULT_STEPS
 
-    assert tuple(Dtype) == DTYPE_CHOICES
+    assert get_args(DtypeName) == DTYPE_CHOICES
     assert tuple(ServedDtype) == (AUTO, *SERVED_DTYPES)
-    assert tuple(SlidingSemantics) == SLIDING_SEMANTICS
+    assert get_args(SlidingSemanticsName) == SLIDING_SEMANTICS
+    assert set(STAGES) <= {stage.value for stage in Stage}
     assert set(Arch) == set(DEFAULT_STEPS)
 
 
@@ -82,13 +87,19 @@ def test_a_token_file_that_cannot_be_read_or_is_empty_gets_one_line(tmp_path):
 @pytest.mark.slow
 def test_an_evaluation_checks_its_inputs_once_by_hand_and_without_the_command_line(
         tiny_qwen3_run, tmp_path, prefect_api_url, one_thread, monkeypatch):
-    from dflash_eval.flows import checks
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from dflash_eval.flows import checks, evaluate
+    from tests.evaluations import run_evaluation
     from tests.tiny_models import first_prompts
 
     calls = []
-    check_inputs = checks.check_inputs
-    monkeypatch.setattr(checks, "check_inputs", lambda **arguments: calls.append(arguments) or check_inputs(**arguments))
+    check_evaluation = checks.check_evaluation
+
+    def counted(*arguments):
+        calls.append(arguments)
+        return check_evaluation(*arguments)
+
+    monkeypatch.setattr(checks, "check_evaluation", counted)
+    monkeypatch.setattr(evaluate, "check_evaluation", counted)
     parameters = {"target": str(tiny_qwen3_run.target_dir), "drafter": str(tiny_qwen3_run.drafter_steps[-1]),
                   "prompts": str(first_prompts(tiny_qwen3_run, 2, tmp_path / "prompts.jsonl")), "max_new_tokens": 8,
                   "store": str(tmp_path / "store")}
@@ -96,7 +107,7 @@ def test_an_evaluation_checks_its_inputs_once_by_hand_and_without_the_command_li
                                                for x in (f"--{name.replace('_', '-')}", str(value))]])
     assert result.exit_code == 0, result.output
     assert len(calls) == 1  # by the command line, before Prefect started; the flow run took what it found
-    evaluate_checkpoint(**parameters)  # as a deployment's run starts it: no command line before it
+    run_evaluation(**parameters)  # as a deployment's run starts it: no command line before it
     assert len(calls) == 2
 
 
@@ -104,8 +115,8 @@ def test_run_help_groups_its_options_in_panels_and_shows_no_type_for_flags():
     result = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     panels = [line.split("─ ")[1].split(" ─")[0] for line in result.output.splitlines() if line.startswith("╭─ ")]
-    assert panels == ["Options", "Inputs", "References", "Scoring", "Checkpoints", "Compute", "Store and output",
-                      "Training run"]
+    assert panels == ["Options", "Inputs", "References", "Serving", "Scoring", "Checkpoints", "Compute",
+                      "Store and output", "Training run"]
     for form in ("SpecForge save", "relay URL", "training run's folder"):
         assert form in result.output
     for command in (["run"], ["stage"], ["demo"], ["serve"], ["watch"], ["serve-reference"], ["history"], ["report"],

@@ -59,9 +59,9 @@ def arguments(run, prompts, store, **kwargs) -> dict:
 
 
 def evaluate(run, prompts, store, **kwargs) -> dict:
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
-    return evaluate_checkpoint(**arguments(run, prompts, store, **kwargs))
+    return run_evaluation(**arguments(run, prompts, store, **kwargs))
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +210,10 @@ def test_a_scheduler_that_does_not_answer_gets_one_message_and_nothing_runs(tiny
     assert result.exit_code == 2 and message in result.output
 
     # a deployment's run (no command line before it): the flow run fails with it, before any stage
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     with pytest.raises(InputError, match=message):
-        evaluate_checkpoint(**parameters, dask_address=nowhere)
+        run_evaluation(**parameters, dask_address=nowhere)
     assert not (store / "references").exists() and not (store / "features").exists()
 
 

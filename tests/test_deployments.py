@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_eval.flows.evaluate import STAGES
+from dflash_eval.flows.settings import STAGES
 from dflash_eval.services.relay.server import RelayServer
+from tests.evaluations import setting_schema
 from tests.ports import free_port
 from tests.tiny_models import first_prompts
 
@@ -81,7 +82,8 @@ def served(prefect_server, setup):
         serve = subprocess.Popen(
             [sys.executable, "-m", "dflash_eval.flows.cli", "serve", "--target", str(setup["tiny"].target_dir),
              "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
-             "--relay", relay.url, "--watch-interval", "3600", "--settle-seconds", "3", "--report-port", "0"],
+             "--relay", relay.url, "--watch-interval", "3600", "--settle-seconds", "3", "--checkpoint-wait", "240",
+             "--report-port", "0"],
             env=env, stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent)
         try:
             with client_of(prefect_server) as client:
@@ -143,7 +145,8 @@ def test_deployments_are_served(prefect_server, served):
         evaluate = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
         watch = client.read_deployment_by_name("watch-relay/watch-relay")
         assert watch.schedules and watch.schedules[0].schedule.interval.total_seconds() == 3600
-        assert evaluate.parameters["max_new_tokens"] == MAX_NEW
+        assert evaluate.parameters["inputs"]["max_new_tokens"] == MAX_NEW
+        assert evaluate.parameters["checkpoints"]["settle_seconds"] == 3 and watch.parameters == {"relay": served["relay"].url}
 
 
 def watch(prefect_server, relay_url, setup, out: Path) -> subprocess.Popen:
@@ -171,6 +174,11 @@ def test_watcher_starts_new_checkpoints_once_in_step_order(prefect_server, serve
     with client_of(prefect_server) as client:
         runs = evaluation_runs(client)
         assert [r.parameters["drafter"].rsplit("/", 1)[1] for r in runs] == ["step_100", "step_200"]
+        # the deployment's settings, with what the watcher was given in their place, setting by setting: serve's
+        # --checkpoint-wait stays, though the watcher gave others of its group ($DFLASH_SETTLE_SECONDS: conftest)
+        assert all(r.parameters["checkpoints"]["checkpoint_wait"] == 240 for r in runs)
+        assert all(r.parameters["checkpoints"]["settle_seconds"] == 0 for r in runs)
+        assert all(r.parameters["inputs"]["max_new_tokens"] == MAX_NEW for r in runs)
         assert [str(r.id) for r in runs] == [s["flow_run_id"] for s in started[0]]
         finished = wait_finished(client, [r.id for r in runs], served["log"])
         # Both ran at once in the served process; their heavy stages took turns.
@@ -337,9 +345,9 @@ def assert_rerun_form(deployment) -> None:
     properties = schema["properties"]
     assert "until" not in properties and "refresh" not in properties  # the form cannot turn it into another stage
     assert "until" not in deployment.parameters and "refresh" not in deployment.parameters
-    assert properties["dtype"]["enum"] == ["auto", "float32", "bfloat16"]
-    assert properties["device"]["enum"] == ["cpu", "cuda"]
-    assert properties["sliding_semantics"]["enum"] == ["causal", "non_causal"]
+    assert setting_schema(schema, "compute", "dtype")["enum"] == ["auto", "float32", "bfloat16"]
+    assert setting_schema(schema, "compute", "device")["enum"] == ["cpu", "cuda"]
+    assert setting_schema(schema, "scoring", "sliding_semantics")["enum"] == ["causal", "non_causal"]
     assert "drafter" in schema["required"] and "drafter" not in deployment.parameters
     assert "relay URL" in properties["drafter"]["description"]
 
@@ -347,11 +355,13 @@ def assert_rerun_form(deployment) -> None:
 def test_served_deployments_have_typed_forms(prefect_server, served):
     with client_of(prefect_server) as client:
         evaluate = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
-        properties = evaluate.parameter_openapi_schema["properties"]
-        assert properties["dtype"]["enum"] == ["auto", "float32", "bfloat16"]
+        schema = evaluate.parameter_openapi_schema
+        properties = schema["properties"]
+        assert setting_schema(schema, "compute", "dtype")["enum"] == ["auto", "float32", "bfloat16"]
         assert properties["until"]["enum"] == list(STAGES)
         assert properties["refresh"]["anyOf"][0]["items"]["enum"] == list(STAGES)
-        assert properties["prompts"]["type"] == "string" and properties["prompts"]["description"]
+        prompts = setting_schema(schema, "inputs", "prompts")
+        assert prompts["anyOf"][0]["type"] == "string" and prompts["description"]
         for stage in STAGES:
             assert_rerun_form(client.read_deployment_by_name(f"evaluate-checkpoint/rerun-{stage}"))
 
@@ -371,7 +381,8 @@ def test_prefect_yaml_deploys_with_its_trigger_and_schedule(prefect_server, serv
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     with client_of(prefect_server) as client:
         evaluate = client.read_deployment_by_name("evaluate-checkpoint/evaluate-checkpoint")
-        assert evaluate.work_pool_name == "dflash-eval" and evaluate.parameters["target"] == str(setup["tiny"].target_dir)
+        assert evaluate.work_pool_name == "dflash-eval"
+        assert evaluate.parameters["inputs"]["target"] == str(setup["tiny"].target_dir)
         watch = client.read_deployment_by_name("watch-relay/watch-relay")
         assert watch.schedules[0].schedule.interval.total_seconds() == 300
         assert watch.parameters["relay"] == served["relay"].url

@@ -28,10 +28,10 @@ def run_dir(tiny_qwen3_run, tmp_path_factory):
 
 
 def evaluate(run_dir, drafter, store=None, **kwargs):
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     tiny = run_dir["tiny"]
-    state = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(drafter), prompts=str(run_dir["prompts"]),
+    state = run_evaluation(target=str(tiny.target_dir), drafter=str(drafter), prompts=str(run_dir["prompts"]),
                                 max_new_tokens=MAX_NEW, store=str(store or run_dir["store"]), return_state=True,
                                 **kwargs)
     return state.result(), state.state_details.flow_run_id

@@ -34,9 +34,9 @@ def arguments(tiny, store, step=-1):
 
 
 def evaluate(tiny, store, step=-1, **kwargs):
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
-    state = evaluate_checkpoint(**arguments(tiny, store, step), **kwargs, return_state=True)
+    state = run_evaluation(**arguments(tiny, store, step), **kwargs, return_state=True)
     return state.result(), state.state_details.flow_run_id
 
 
@@ -154,9 +154,9 @@ def test_other_layer_ids_extract_only_the_layers_not_held(tiny, tmp_path, prefec
     mask = json.loads((tiny.drafter_steps[-1] / "config.json").read_text())["dflash_config"]["mask_token_id"]
     other = _drafter_with(tmp_path, tiny, dflash_config={"target_layer_ids": [2, 3], "mask_token_id": mask})
 
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
-    results = evaluate_checkpoint(**{**arguments(tiny, store), "drafter": str(other)})
+    results = run_evaluation(**{**arguments(tiny, store), "drafter": str(other)})
     assert results["layer_ids"] == [2, 3] and results["stages"]["features"] == "ran"
     assert results["keys"]["features"] == first["keys"]["features"]  # one entry holds every layer
     after = zarr_array_markers(store)
@@ -377,11 +377,11 @@ BAD_INPUTS = {
     "unknown dtype": (lambda t, tiny: {"--dtype": "float16"}, "--dtype must be one of auto, float32, bfloat16"),
     "target saved without its head": (lambda t, tiny: {"--target": str(_headless_target(t, tiny))},
                                       "under model.* and no lm_head.weight"),
-    "negative temperature": (lambda t, tiny: {"--temperature": "-0.5"}, "--temperature must be 0 (greedy) or more"),
-    "top-p of 0": (lambda t, tiny: {"--temperature": "0.6", "--top-p": "0"}, "--top-p must lie in (0, 1]"),
+    "negative temperature": (lambda t, tiny: {"--temperature": "-0.5"}, "--temperature must be at least 0, got -0.5"),
+    "top-p of 0": (lambda t, tiny: {"--temperature": "0.6", "--top-p": "0"}, "--top-p must lie in (0, 1], got 0.0"),
     "top-p above 1": (lambda t, tiny: {"--temperature": "0.6", "--top-p": "1.5"}, "--top-p must lie in (0, 1]"),
-    "negative top-k": (lambda t, tiny: {"--temperature": "0.6", "--top-k": "-1"}, "--top-k must be a whole number"),
-    "no samples": (lambda t, tiny: {"--temperature": "0.6", "--samples": "0"}, "--samples must be a whole number"),
+    "negative top-k": (lambda t, tiny: {"--temperature": "0.6", "--top-k": "-1"}, "--top-k must be at least 0, got -1"),
+    "no samples": (lambda t, tiny: {"--temperature": "0.6", "--samples": "0"}, "--samples must be at least 1, got 0"),
     "samples of greedy": (lambda t, tiny: {"--samples": "4"}, "greedy completions (temperature 0) are all the same"),
     "lookahead when sampled": (lambda t, tiny: {"--temperature": "0.6", "--lookahead": None},
                                "--lookahead applies to greedy references"),
@@ -451,9 +451,9 @@ def test_history_shows_tau_by_step_the_best_and_a_regression(tiny, tmp_path, pre
     shutil.copytree(tiny.drafter_steps[0], relapse)
     config = json.loads((relapse / "config.json").read_text())
     (relapse / "config.json").write_text(json.dumps({**config, "note": "relapse"}))  # another checkpoint's content
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
-    evaluate_checkpoint(**{**arguments(tiny, store), "drafter": str(relapse)})
+    run_evaluation(**{**arguments(tiny, store), "drafter": str(relapse)})
 
     result = CliRunner().invoke(app, ["history", "--store", str(store)])
     assert result.exit_code == 0, result.output

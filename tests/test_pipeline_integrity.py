@@ -24,9 +24,9 @@ def clean(tiny, tmp_path_factory, prefect_api_url):
 
 
 def evaluate(tiny, store, step=-1, **kwargs) -> dict:
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
-    return evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[step]),
+    return run_evaluation(target=str(tiny.target_dir), drafter=str(tiny.drafter_steps[step]),
                                prompts=str(tiny.prompts), max_new_tokens=MAX_NEW, store=str(store), **kwargs)
 
 

@@ -25,14 +25,14 @@ EXPECTED = {  # bug -> (flag or finding kind, words its message must hold)
 @pytest.fixture(scope="module")
 def evaluated(tiny, tmp_path_factory, prefect_api_url):
     """Each planted run's last save and the clean twin's, evaluated into one store: {bug: results}."""
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     root = tmp_path_factory.mktemp("planted")
     found = {}
     for bug in (None, *PLANTED):
         run = planted_run(tiny, bug, log=None)
         # our TensorBoard run beside the test's store, not in the cached run folder
-        found[bug] = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(run / "step_200"),
+        found[bug] = run_evaluation(target=str(tiny.target_dir), drafter=str(run / "step_200"),
                                          prompts=str(tiny.prompts), max_new_tokens=MAX_NEW, store=str(root / "store"),
                                          until="diagnostics", all_positions=True,
                                          tensorboard=str(root / f"tensorboard-{bug or 'clean'}"))

@@ -122,7 +122,7 @@ def test_a_server_restarted_with_other_weights_never_completes_the_entry(models,
     """The tester's case: rerun against the same name, path and port, now serving model B. The run stops
     with one message (which server, that its model changed, what to do); nothing is committed, A's
     references are kept untouched, and B generated no reference. --refresh then starts anew with B."""
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     store = tmp_path / "store"
     shutil.copytree(interrupted[0], store)
@@ -130,7 +130,7 @@ def test_a_server_restarted_with_other_weights_never_completes_the_entry(models,
     server = serve(models, "b", port=interrupted[1])
     try:
         with pytest.raises(BackendError) as stopped:
-            evaluate_checkpoint(target=str(models["target"]), drafter=str(models["drafter"]),
+            run_evaluation(target=str(models["target"]), drafter=str(models["drafter"]),
                                 prompts=str(models["prompts"]), max_new_tokens=MAX_NEW, store=str(store),
                                 reference=f"sglang+{server.url}", concurrency=2, until="references")
         message = str(stopped.value)

@@ -115,7 +115,7 @@ def assert_self_contained(text: str, page: Page) -> None:
 def scored_store(tiny_qwen3_run, prefect_api_url, tmp_path_factory):
     """A store holding the scores of every saved step of the tiny run and of one baseline drafter
     (a copy of step 200 under another name), on its first N_PROMPTS prompts."""
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     root = tmp_path_factory.mktemp("report")
     prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "prompts.jsonl")
@@ -125,7 +125,7 @@ def scored_store(tiny_qwen3_run, prefect_api_url, tmp_path_factory):
     config = json.loads((baseline / "config.json").read_text())
     (baseline / "config.json").write_text(json.dumps({**config, "note": "baseline"}))  # its own checkpoint key
     for drafter in [*tiny_qwen3_run.drafter_steps, baseline]:
-        results = evaluate_checkpoint(target=str(tiny_qwen3_run.target_dir), drafter=str(drafter), prompts=str(prompts),
+        results = run_evaluation(target=str(tiny_qwen3_run.target_dir), drafter=str(drafter), prompts=str(prompts),
                                       max_new_tokens=MAX_NEW, store=str(store.root))
     store.begin(Stage.BASELINES, results["keys"]["fetch"])
     store.commit(Stage.BASELINES, results["keys"]["fetch"],
@@ -247,12 +247,12 @@ def test_diagnostics_of_a_checkpoint_get_their_plots_and_escaped_examples(scored
 
 @pytest.mark.slow
 def test_diagnostics_from_the_diagnostics_stage_are_shown(scored_store, tiny_qwen3_run, tmp_path):
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     store = Store(tmp_path / "store")
     shutil.copytree(scored_store.root, store.root)
     prompts = scored_store.root.parent / "prompts.jsonl"
-    evaluate_checkpoint(target=str(tiny_qwen3_run.target_dir), drafter=str(tiny_qwen3_run.drafter_steps[-1]),
+    run_evaluation(target=str(tiny_qwen3_run.target_dir), drafter=str(tiny_qwen3_run.drafter_steps[-1]),
                         prompts=str(prompts), max_new_tokens=MAX_NEW, store=str(store.root), until="diagnostics")
     text = write_report(store, tmp_path / "out").read_text()
     page = Page(text)
@@ -432,7 +432,7 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
         found = find_group(history(store), keys[label])
         results = {"drafter": {"source": f"/runs/a/{label}", "step": step}, "tau_macro": found[1].tau_macro,
                    "tau_macro_ci95": found[1].tau_macro_ci95, "tau_pooled": 1.0, "block_size": 8,
-                   "n_scored_prompts": 3, "stages": {"scores": "ran"}}
+                   "n_scored_prompts": 3, "stages": {"scores": "ran"}, "served": {"label": "greedy"}}
         return summary_markdown(results, found, None)
 
     untrained = summary("zz-untrained", None)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from dflash_eval.services.report_server import REPORT_URL_ENV, PortInUse, ReportServer, report_url
+from dflash_eval.services.http_server import PortInUse
+from dflash_eval.services.report_server import REPORT_URL_ENV, ReportServer, report_url
 from dflash_eval.storage import Store
 from tests.test_report import fabricate
 
@@ -243,9 +244,9 @@ def serve_without_runner(monkeypatch, tmp_path):
 
     seen = {}
 
-    def serve_deployments(**kwargs):
+    def serve_deployments(settings, **kwargs):
         seen["url"] = os.environ.get(REPORT_URL_ENV)
-        seen["store"] = kwargs["store"]
+        seen["store"] = settings.output.store
         if seen["url"] and "proxy" not in seen["url"]:
             seen["response"] = requests.get(seen["url"] + "report.html", timeout=10)
 

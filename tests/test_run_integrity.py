@@ -140,9 +140,9 @@ def test_a_full_disk_names_what_filled_and_keeps_the_store_consistent(tiny, tmp_
     assert {p.parts[-4] for p in after.glob("*/*/*/entry.json")} == {"fetch", "references"}
     assert list(after.glob("features/*/*/features.zarr"))
 
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
-    results = evaluate_checkpoint(target=str(run.target_dir), drafter=str(run.drafter_steps[-1]), prompts=str(prompts),
+    results = run_evaluation(target=str(run.target_dir), drafter=str(run.drafter_steps[-1]), prompts=str(prompts),
                                   max_new_tokens=MAX_NEW, store=str(after))
     assert results["stages"] == {"fetch": "cached", "references": "cached", "features": "ran", "drafts": "ran",
                                  "scores": "ran"}

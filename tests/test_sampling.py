@@ -81,12 +81,12 @@ def test_greedy_is_the_argmax_and_keys_as_before():
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(temperature=-0.1), "--temperature must be 0"),
-    (dict(temperature=float("nan")), "--temperature must be 0"),
-    (dict(temperature=1.0, top_p=0.0), r"--top-p must lie in \(0, 1\]"),
-    (dict(temperature=1.0, top_p=1.5), r"--top-p must lie in \(0, 1\]"),
-    (dict(temperature=1.0, top_k=-1), "--top-k must be a whole number"),
-    (dict(temperature=1.0, min_p=1.0), r"--min-p must lie in \[0, 1\)"),
+    (dict(temperature=-0.1), "temperature must be 0"),
+    (dict(temperature=float("nan")), "temperature must be 0"),
+    (dict(temperature=1.0, top_p=0.0), r"top_p must lie in \(0, 1\]"),
+    (dict(temperature=1.0, top_p=1.5), r"top_p must lie in \(0, 1\]"),
+    (dict(temperature=1.0, top_k=-1), "top_k must be a whole number"),
+    (dict(temperature=1.0, min_p=1.0), r"min_p must lie in \[0, 1\)"),
     (dict(temperature=0.0, top_k=20), "apply at a temperature above 0"),
 ])
 def test_bad_settings_are_refused(kwargs, message):

@@ -20,6 +20,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 SAMPLED = dict(temperature=0.6, top_k=20, top_p=0.95, samples=2, seed=0)
 SETTINGS = Sampling(0.6, 20, 0.95)
+LABEL = "T=0.6 top-k 20 top-p 0.95, 2 samples per prompt, seed 0"  # the served setting's one label
 
 
 def prompt_ids(tiny) -> list[dict]:
@@ -41,8 +42,9 @@ def test_sampled_references_through_the_flow(tiny, tmp_path, prefect_api_url):
     second, _ = evaluate(tiny, store, step=-1, **SAMPLED)
     assert second["stages"] == {"fetch": "ran", "references": "cached", "features": "cached", "drafts": "ran",
                                 "scores": "ran"}
-    assert second["sampling"] == {**SETTINGS.identity(), "samples": 2, "seed": 0}
-    assert second["samples_per_prompt"] == 2 and second["n_prompts"] == 2 * N_PROMPTS
+    assert second["served"] == {"label": LABEL, "references": "sampled", **SETTINGS.identity(), "samples": 2,
+                                "seed": 0, "block_size": None}
+    assert second["n_prompts"] == 2 * N_PROMPTS
     prompts = prompt_ids(tiny)
     assert [p["id"] for p in second["per_prompt"]] == [f"{p['id']}#s{k}" for p in prompts for k in (0, 1)]
 
@@ -59,15 +61,15 @@ def test_sampled_references_through_the_flow(tiny, tmp_path, prefect_api_url):
 
     # greedy on the same store: other references, its own history group; the sampled run's interval is two-level
     greedy, _ = evaluate(tiny, store, step=-1)
-    assert greedy["keys"]["references"] != second["keys"]["references"] and "sampling" not in greedy
+    assert greedy["keys"]["references"] != second["keys"]["references"] and greedy["served"]["label"] == "greedy"
     from dflash_eval.reporting.history import history
 
     titles = sorted(g.title for g in history(Store(store)))
-    assert len(titles) == 2 and any("T=0.6 top-k 20 top-p 0.95, 2 samples per prompt (seed 0)" in t for t in titles)
+    assert len(titles) == 2 and any(LABEL in t for t in titles)
     from dflash_eval.reporting.report import write_report
 
     report = write_report(Store(store), tmp_path / "report").read_text()
-    assert "Checkpoints at every setting evaluated" in report and "T=0.6 top-k 20 top-p 0.95 x2 (group" in report
+    assert "Checkpoints at every setting evaluated" in report and f"{LABEL} (group" in report
     # another seed: other samples, another references entry
     reseeded, _ = evaluate(tiny, store, step=-1, **{**SAMPLED, "seed": 1})
     assert reseeded["stages"]["references"] == "ran" and reseeded["tau_macro"] != second["tau_macro"]
@@ -102,7 +104,8 @@ def test_completions_you_already_have_score_as_the_references_they_are(tiny, tmp
     given.write_text("".join(json.dumps(line) + "\n" for line in [lines[0], lines[0], tokenizer_line]))
     mixed, _ = evaluate(tiny, store, step=-1, references=str(given))
     assert [p["id"] for p in mixed["per_prompt"]] == [f"{lines[0]['id']}#s0", f"{lines[0]['id']}#s1", "as-text"]
-    assert mixed["unverified_references"] == ["as-text"] and mixed["samples_per_prompt"] == 2
+    assert mixed["unverified_references"] == ["as-text"] and mixed["served"]["samples"] == 2
+    assert mixed["served"]["label"] == "given completions" and mixed["served"]["references"] == "given"
 
 
 def test_fewer_draft_tokens_through_the_flow(tiny, tmp_path, prefect_api_url):
@@ -111,7 +114,8 @@ def test_fewer_draft_tokens_through_the_flow(tiny, tmp_path, prefect_api_url):
     four, _ = evaluate(tiny, store, step=-1, block_size=4)
     assert four["stages"] == {"fetch": "cached", "references": "cached", "features": "cached", "drafts": "ran",
                               "scores": "ran"}
-    assert four["block_size"] == 4 and four["chosen_block_size"] == 4 and list(four["histogram"]) == ["1", "2", "3", "4"]
+    assert four["block_size"] == 4 and four["served"]["block_size"] == 4 and four["served"]["label"] == "greedy, blocks of 4"
+    assert list(four["histogram"]) == ["1", "2", "3", "4"]
     assert four["tau_macro"] < full["tau_macro"]
     # the online loop verifying blocks of 4 gives the same lengths
     target = load_target(tiny.target_dir, dtype=torch.float32)
@@ -153,10 +157,40 @@ def test_the_run_name_tags_and_summary_show_the_setting(tiny, tmp_path, prefect_
     results, flow_run_id = evaluate(tiny, tmp_path / "store", **SAMPLED, block_size=4)
     with get_client(sync_client=True) as client:
         run = client.read_flow_run(flow_run_id)
-    assert run.name.endswith("T=0.6 x2 b4")
+    label = f"{LABEL}, blocks of 4"
+    assert results["served"]["label"] == label and run.name.endswith(f"[{label}]")
     assert {"sampling:T=0.6 top-k 20 top-p 0.95", "samples:2", "block-size:4"} <= set(run.tags)
     summaries = [a for a in client_artifacts(flow_run_id) if a.type == "markdown"]
-    assert any("T=0.6 top-k 20 top-p 0.95 (2 per prompt)" in a.data for a in summaries)
+    assert any(label in a.data for a in summaries)
+    assert client_flow_run_state_message(flow_run_id).endswith(f"; {label}")
+
+
+def client_flow_run_state_message(flow_run_id) -> str:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state.message
+
+
+def test_the_drafter_s_own_block_size_is_no_block_size_chosen(tiny, tmp_path, prefect_api_url):
+    """--block-size B equal to the drafter's own: the same keys, series, tags and name as no --block-size, in the
+    results, the history, the run and (from a deployment's parameters, checked by the flow) the same again."""
+    from prefect import get_client
+
+    from dflash_eval.reporting.history import history
+
+    store = tmp_path / "store"
+    own = load_drafter(tiny.drafter_steps[-1]).block_size
+    plain, plain_run = evaluate(tiny, store, step=-1)
+    chosen, chosen_run = evaluate(tiny, store, step=-1, block_size=own)
+    assert chosen["keys"] == plain["keys"] and chosen["series"] == plain["series"]
+    assert chosen["served"] == plain["served"] and chosen["served"]["block_size"] is None
+    assert chosen["stages"]["drafts"] == chosen["stages"]["scores"] == "cached"
+    with get_client(sync_client=True) as client:
+        runs = [client.read_flow_run(flow_run_id) for flow_run_id in (plain_run, chosen_run)]
+    assert runs[0].name == runs[1].name == "drafter/step_400" and not any("block-size" in t for t in runs[1].tags)
+    assert sorted(runs[0].tags) == sorted(runs[1].tags)
+    assert len(history(Store(store))) == 1  # one series
 
 
 def test_a_block_size_sweep_shares_the_features_and_projects_speedups(tiny, tmp_path, prefect_api_url):

@@ -1,7 +1,9 @@
 """Every server dflash-eval ships stays bounded whatever a client does (dflash_eval.services.http_server): 300 half-open
 connections, and a 1 GB body sent without credentials, against the reference server, the report server and the
-relay, each a process of its own whose threads and peak memory are read from /proc."""
+relay, each a process of its own whose threads and peak memory are read from /proc. And each stops alike
+(`BackgroundServer.stop`): at once, ending the connections a client keeps open, the port free again."""
 
+import http.client
 import socket
 import subprocess
 import sys
@@ -10,6 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+from dflash_eval.services.reference.server import ReferenceServer
+from dflash_eval.services.relay.server import RelayServer
+from dflash_eval.services.report_server import ReportServer
 
 pytestmark = pytest.mark.slow  # starts processes
 
@@ -103,3 +109,45 @@ def test_an_unauthenticated_gigabyte_is_never_read_into_memory(started):
     assert answer == b"" or answer.split(b" ")[1] in (b"401", b"405", b"413"), answer[:200]
     grown_mb = (_status(child.pid)["VmHWM"] - peak_before) / 1024
     assert grown_mb < 32, f"peak memory grew by {grown_mb:.0f} MB while {sent >> 20} MB were sent"
+
+
+BUILT_HERE = {  # name -> (folder it serves, state folder, port) -> the server, in this process: its stop() is tested
+    "reference": lambda folder, state, port: ReferenceServer(folder, port=port),
+    "report": lambda folder, state, port: ReportServer(folder, port=port),
+    "relay": lambda folder, state, port: RelayServer(folder, port=port, state_dir=state, settle_seconds=0),
+}
+
+
+def _ended(sock: socket.socket, within: float) -> bool:
+    """Whether the server ended the connection `sock` (FIN or reset) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+@pytest.mark.parametrize("name", list(BUILT_HERE))
+def test_stop_ends_an_idle_keep_alive_connection_at_once_and_frees_the_port(name, tmp_path, qwen3_dir):
+    folder = qwen3_dir if name == "reference" else tmp_path / "served"
+    if name != "reference":
+        folder.mkdir()
+    build = BUILT_HERE[name]
+    server = build(folder, tmp_path / "state", 0).start()
+    client = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        client.request("GET", "/health")
+        response = client.getresponse()
+        response.read()
+        assert not response.will_close and client.sock is not None  # answered; kept open for a next request
+        started = time.monotonic()
+        server.stop()
+        took = time.monotonic() - started
+        assert took < 3, f"{name} server took {took:.1f} s to stop"
+        assert _ended(client.sock, within=2), f"{name} server left the idle connection open"
+    finally:
+        client.close()
+        server.stop()
+    build(folder, tmp_path / "state", server.port).stop()  # the port is free again: a new server binds it at once

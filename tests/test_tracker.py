@@ -38,7 +38,7 @@ def tensorboard_scalars(folder, tag: str) -> list[tuple[int, float]]:
 def evaluated(tiny, tmp_path_factory, prefect_api_url):
     """A SpecForge-style run folder (the tiny run's four saves, `epoch_0_step_N` as its older trainer names
     them, and its TensorBoard log), best_meta.json naming step 100, and the four saves evaluated."""
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     root = tmp_path_factory.mktemp("tracker")
     run, store = root / "run", root / "store"
@@ -47,7 +47,7 @@ def evaluated(tiny, tmp_path_factory, prefect_api_url):
     write_run(run, steps=STEPS, best=100, accuracy=lambda step: 0.5 + step / 2000)
 
     def evaluate(step, **kwargs):
-        state = evaluate_checkpoint(target=str(tiny.target_dir), drafter=str(run / f"epoch_0_step_{step}"),
+        state = run_evaluation(target=str(tiny.target_dir), drafter=str(run / f"epoch_0_step_{step}"),
                                     prompts=str(tiny.prompts), max_new_tokens=MAX_NEW, store=str(store),
                                     return_state=True, **kwargs)
         flow_runs[step] = state.state_details.flow_run_id

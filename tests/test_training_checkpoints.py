@@ -92,9 +92,9 @@ def saves(tiny_qwen3_run, tmp_path_factory):
 
 
 def evaluate(saves, drafter, store, **kwargs) -> dict:
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
-    return evaluate_checkpoint(target=str(saves["tiny"].target_dir), drafter=str(drafter), prompts=str(saves["prompts"]),
+    return run_evaluation(target=str(saves["tiny"].target_dir), drafter=str(drafter), prompts=str(saves["prompts"]),
                                max_new_tokens=MAX_NEW, store=str(store), **kwargs)
 
 

@@ -18,7 +18,8 @@ MAX_NEW = 32
 def series(tiny_qwen3_run, tmp_path_factory, prefect_api_url):
     """Every step of the tiny run evaluated, newest first (history must still list them by step), and one
     stage rerun from its deployment's flow; returns the flow runs and what they returned."""
-    from dflash_eval.flows.evaluate import RERUN_FLOWS, evaluate_checkpoint
+    from dflash_eval.flows.evaluate import RERUN_FLOWS
+    from tests.evaluations import run_evaluation
 
     root = tmp_path_factory.mktemp("ui")
     prompts = first_prompts(tiny_qwen3_run, N_PROMPTS, root / "held-out.jsonl")
@@ -26,10 +27,10 @@ def series(tiny_qwen3_run, tmp_path_factory, prefect_api_url):
                     store=str(root / "store"))
     runs = {}
     for step in reversed(tiny_qwen3_run.drafter_steps):
-        state = evaluate_checkpoint(**settings, drafter=str(step), return_state=True)
+        state = run_evaluation(**settings, drafter=str(step), return_state=True)
         runs[step.name] = (state.state_details.flow_run_id, state.result())
     newest = tiny_qwen3_run.drafter_steps[-1]
-    state = RERUN_FLOWS["drafts"](**settings, drafter=str(newest), return_state=True)
+    state = run_evaluation(RERUN_FLOWS["drafts"], **settings, drafter=str(newest), return_state=True)
     runs["rerun"] = (state.state_details.flow_run_id, state.result())
     return {"tiny": tiny_qwen3_run, "settings": settings, "runs": runs, "root": root}
 
@@ -119,11 +120,11 @@ def test_other_settings_and_another_store_are_series_of_their_own(series, tmp_pa
         FlowRunFilterTags,
     )
 
-    from dflash_eval.flows.evaluate import evaluate_checkpoint
+    from tests.evaluations import run_evaluation
 
     step = series["tiny"].drafter_steps[0]
-    shorter = evaluate_checkpoint(**{**series["settings"], "max_new_tokens": MAX_NEW // 2}, drafter=str(step))
-    elsewhere = evaluate_checkpoint(**{**series["settings"], "store": str(tmp_path / "store")}, drafter=str(step))
+    shorter = run_evaluation(**{**series["settings"], "max_new_tokens": MAX_NEW // 2}, drafter=str(step))
+    elsewhere = run_evaluation(**{**series["settings"], "store": str(tmp_path / "store")}, drafter=str(step))
     mine = series["runs"][step.name][1]
     keys = {r["series"]["key"] for r in (mine, shorter, elsewhere)}
     assert len(keys) == 3, keys
@@ -161,18 +162,26 @@ def test_the_deployments_forms_offer_choices_and_fix_a_reruns_stage(series, pref
     from prefect import get_client
 
     from dflash_eval.flows.deployments import build_deployments
-    from dflash_eval.flows.evaluate import STAGES
+    from dflash_eval.flows.settings import GROUPS, STAGES, Settings, by_group
+    from tests.evaluations import setting_schema
 
-    settings = series["settings"]
+    settings = Settings.checked(by_group(series["settings"]))
     with get_client(sync_client=True) as client:
-        for flow, options in build_deployments(settings["target"], settings["prompts"], settings["store"]):
+        for flow, options in build_deployments(settings):
             deployment = client.read_deployment(flow.to_deployment(**options).apply())
-            properties = deployment.parameter_openapi_schema["properties"]
-            assert properties["dtype"]["enum"] == ["auto", "float32", "bfloat16"]
-            assert properties["device"]["enum"] == ["cpu", "cuda"]
-            assert properties["sliding_semantics"]["enum"] == ["causal", "non_causal"]
+            schema = deployment.parameter_openapi_schema
+            properties = schema["properties"]
+            # one section per group of settings, each setting with its choices, bounds and help
+            assert [name for name in properties if name in GROUPS] == list(GROUPS)
+            assert setting_schema(schema, "compute", "dtype")["enum"] == ["auto", "float32", "bfloat16"]
+            assert setting_schema(schema, "compute", "device")["enum"] == ["cpu", "cuda"]
+            assert setting_schema(schema, "scoring", "sliding_semantics")["enum"] == ["causal", "non_causal"]
+            top_p = setting_schema(schema, "serving", "top_p")
+            assert top_p["exclusiveMinimum"] == 0 and top_p["maximum"] == 1 and "mass" in top_p["description"]
+            assert deployment.parameters["inputs"]["target"] == settings.inputs.target
             assert properties["drafter"]["description"].startswith("The checkpoint to score")
             if options["name"].startswith("rerun-"):
                 assert "until" not in properties and "refresh" not in properties
             else:
                 assert properties["until"]["enum"] == list(STAGES)
+

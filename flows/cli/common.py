@@ -9,7 +9,8 @@ from typing import NoReturn
 
 import typer
 
-from dflash_eval.services.report_server import PortInUse, ReportServer
+from dflash_eval.services.http_server import PortInUse
+from dflash_eval.services.report_server import ReportServer
 from dflash_eval.services.tokens import TokenFileError, read_token_file
 
 

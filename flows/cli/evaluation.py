@@ -1,53 +1,42 @@
 """Evaluations by hand: `run`, `stage` and `demo`, each a run of the evaluate-checkpoint flow in this process."""
 
-import inspect
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, cast
 
 import typer
 
 from dflash_eval.flows.disk_full import is_storage_full, storage_full_message
+from dflash_eval.flows.settings import Evaluation, Settings, SettingsError, by_group, flag_name
 
 from .common import configure_threads, fail, local_server_needed, open_store, start_local_server, write_results
-from .options import (
-    Baseline,
-    ByHand,
-    Drafter,
-    Drafters,
-    Inputs,
-    Settings,
-    Stage,
-    StoreRoot,
-    Threads,
-    absolute,
-    example,
-    option_groups,
-)
+from .options import Drafter, Drafters, Stage, StoreRoot, Threads, example, settings_options
 
 app = typer.Typer()
 
 
-def evaluate(parameters: dict, out: Path | None = None) -> dict:
-    """Check the inputs and the results file `out` (one clear error, nothing written), then run the flow with
-    these parameters, handing it the checked inputs."""
-    results = evaluate_each([parameters], out)[0]
+def evaluate(evaluation: Evaluation, out: Path | None = None) -> dict:
+    """Check the evaluation and the results file `out` (one clear error, nothing written), then run the flow with
+    it, handing the flow run the checked evaluation."""
+    results = evaluate_each([evaluation], out)[0]
     assert results is not None  # one checkpoint: its failure exited
     return results
 
 
-def evaluate_each(each: list[dict], out: Path | None = None) -> list[dict | None]:
+def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> list[dict | None]:
     """Evaluate several checkpoints in this process, each a flow run of its own: every one's inputs are checked
-    before any runs (a bad one: one clear error, nothing computed), then they run in turn, sharing Prefect's
-    temporary server and what the process loaded (the target's head). A checkpoint that fails while it runs (a
-    refused save, a relay gone) is said in one line and the next one runs; with several, its results are None.
-    `out`: the results file (one checkpoint) or folder (several, checked here, written by the caller)."""
-    configure_threads(each[0].get("threads"))
+    before any runs (a bad one: one clear error naming the flag, nothing computed), then they run in turn, sharing
+    Prefect's temporary server and what the process loaded (the target's head). A checkpoint that fails while it
+    runs (a refused save, a relay gone) is said in one line and the next one runs; with several, its results are
+    None. `out`: the results file (one checkpoint) or folder (several, checked here, written by the caller)."""
+    configure_threads(evaluations[0].compute.threads)
+    from prefect.states import State
+
     from dflash_core.drafter_config import DrafterError
     from dflash_eval.flows.checks import InputError, check_evaluation, check_out
-    from dflash_eval.flows.evaluate import evaluate_checkpoint, evaluation_flow
+    from dflash_eval.flows.evaluate import evaluation_flow
     from dflash_eval.services.reference.backends import BackendError
     from dflash_eval.services.relay.client import RelayError
     from dflash_eval.storage.object_storage import ObjectStorageError
@@ -62,32 +51,30 @@ def evaluate_each(each: list[dict], out: Path | None = None) -> list[dict | None
     explained = (InputError, DrafterError, CheckpointError, RelayError, CheckpointDamaged, BackendError,
                  ObjectStorageError)
     try:
-        check_out(out, folder=len(each) > 1)
-        checked = []
-        for parameters in each:
-            bound = inspect.signature(evaluate_checkpoint.fn).bind(**parameters)
-            bound.apply_defaults()
-            checked.append(check_evaluation(bound.arguments))
+        check_out(out, folder=len(evaluations) > 1)
+        checked = [check_evaluation(evaluation, flag_name) for evaluation in evaluations]
     except explained as e:
         fail(str(e))
     start_local_server()  # after the checks: bad input costs no server start-up
     found: list[dict | None] = []
-    for inputs, parameters in zip(checked, each):
+    for inputs in checked:
+        evaluation = inputs.evaluation
         try:
             with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
                     _heartbeats_unless_asked():
-                state = evaluation_flow(inputs)(**parameters, return_state=True)
+                # a State (with **parameters, Prefect's types take the call for one without return_state)
+                state = cast(State, evaluation_flow(inputs)(**evaluation.parameters(), return_state=True))
                 found.append(state.result())
             _say_where_the_run_is(state.state_details.flow_run_id)
         except explained as e:
-            if len(each) == 1:
+            if len(evaluations) == 1:
                 fail(str(e))
-            typer.secho(f"error: {parameters['drafter']}: {e}", err=True, fg="red")
+            typer.secho(f"error: {evaluation.drafter}: {e}", err=True, fg="red")
             found.append(None)
         except OSError as e:
             if not is_storage_full(e):
                 raise
-            fail(storage_full_message(e, open_store(parameters.get("store"))))
+            fail(storage_full_message(e, open_store(evaluation.output.store)))
     return found
 
 
@@ -156,8 +143,7 @@ def _print_results(results: dict) -> None:
         console.print(
             f"tau macro {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f} "
             f"(block {results['block_size']}, {results['n_scored_prompts']} references"
-            + (f" ({results['samples_per_prompt']} samples per prompt, {results['sampling_label']})"
-               if results.get("sampling_label", "greedy") != "greedy" else "")
+            + ("" if results["served"]["label"] == "greedy" else f", {results['served']['label']}")
             + f", {results['n_steps']} steps, "
             f"{results['clipped_last_steps']} clipped last steps; {results['sliding_semantics']} sliding layers)"
         )
@@ -209,27 +195,23 @@ def _print_diagnostics(console, d: dict) -> None:
                       f"reference {divergence['reference']!r}", markup=False)
 
 
-def _evaluate_by_hand(drafters: list[str], inputs: Inputs, by_hand: ByHand, settings: Settings,
-                      **parameters) -> None:
+def _evaluate_by_hand(drafters: list[str], settings: Settings, out: Path | None, until: str = "scores",
+                      refresh: list[str] | None = None) -> None:
     """`run` and `stage`: evaluate each checkpoint, print what it found, write the results JSON (several: one file
     each in the --out folder, and a table of them all at the end)."""
-    if inputs.prompts is None and by_hand.references is None:
-        fail("give --prompts (a suite or a prompt file), or --references FILE (completions you already have)")
-    prompts = inputs.prompts or absolute(by_hand.references)  # names the series when only completions are given
-    common = {"target": inputs.target, "prompts": prompts, "store": inputs.store,
-              "max_new_tokens": inputs.max_new_tokens, **by_hand.parameters(), **settings.parameters(), **parameters}
-    checkpoints = checkpoints_named(drafters, inputs.store, settings.settle_seconds)
-    found = evaluate_each([{**common, "drafter": checkpoint} for checkpoint in checkpoints], out=by_hand.out)
+    checkpoints = checkpoints_named(drafters, settings.output.store, settings.checkpoints.settle_seconds)
+    found = evaluate_each([settings.evaluation(checkpoint, until, refresh) for checkpoint in checkpoints], out=out)
     for results in found:
         if results is not None:
             _print_results(results)
     if len(checkpoints) == 1:
-        write_results(found[0], by_hand.out)
+        assert found[0] is not None  # one checkpoint: its failure exited
+        write_results(found[0], out)
         return
     names = results_names(checkpoints)
     for name, results in zip(names, found):
-        if results is not None and by_hand.out:
-            write_results(results, by_hand.out / f"{name}.json")
+        if results is not None and out:
+            write_results(results, out / f"{name}.json")
     typer.echo(f"\n{'checkpoint':<32}  {'step':>6}  {'tau macro':>9}  ran")
     for name, results in zip(names, found):
         if results is None:
@@ -243,12 +225,13 @@ def _evaluate_by_hand(drafters: list[str], inputs: Inputs, by_hand: ByHand, sett
              "are in the store")
 
 
-def checkpoints_named(drafters: list[str], store: str | None, settle_seconds: float) -> list[str]:
+def checkpoints_named(drafters: list[str], store: str | None, settle_seconds: float | None) -> list[str]:
     """The checkpoints the --drafter options name, in order. A folder on this machine that is no checkpoint itself
     but holds some (a training run's) stands for its finished ones, in step order (those without a step last, by
     path); one still being written is left out. Anything else is one checkpoint, as given (fetch checks it)."""
     from dflash_core.checkpoint_files import checkpoint_files
     from dflash_eval.services.relay.local_checkpoints import LocalCheckpoints
+    from dflash_eval.tasks.fetch import settle_seconds_default
 
     found = []
     for drafter in drafters:
@@ -256,7 +239,8 @@ def checkpoints_named(drafters: list[str], store: str | None, settle_seconds: fl
         if "://" in drafter or not folder.is_dir() or checkpoint_files(folder) is not None:
             found.append(drafter)
             continue
-        listed = LocalCheckpoints(folder.resolve(), settle_seconds, open_store(store).digest_cache()).scan()
+        settled = settle_seconds_default() if settle_seconds is None else settle_seconds
+        listed = LocalCheckpoints(folder.resolve(), settled, open_store(store).digest_cache()).scan()
         listed.sort(key=lambda c: (c["step"] is None, c["step"] or 0, c["path"]))
         if not listed:
             found.append(drafter)  # fetch says why it is no checkpoint
@@ -274,38 +258,37 @@ def results_names(checkpoints: list[str]) -> list[str]:
             for name, c in zip(names, checkpoints)]
 
 
+ResultsOut = Annotated[Path | None, typer.Option(
+    "--out", rich_help_panel="Store and output", help="Write the results JSON here (its folder is created if need "
+    "be; checked before any work).")]
+
+
 @app.command(epilog=example("dflash-eval run --target runs/tiny/target", "--drafter runs/tiny/drafter/step_400",
                             "--prompts runs/tiny/prompts.jsonl --out results.json"))
-@option_groups
+@settings_options()
 def run(
-    drafter: Drafters, inputs: Inputs, by_hand: ByHand, settings: Settings, baseline: Baseline = None,
-    report_dir: Annotated[str | None, typer.Option("--report-dir", help="Where the report is rewritten after "
-                                                   "scoring (default <store>/report).")] = None,
-    diagnostics: Annotated[bool, typer.Option("--diagnostics", help="Also run the diagnostics: layer ablation, "
-                                              "layer-offset probe, sliding switch, first divergences (drafter replays "
-                                              "only).")] = False,
-    all_positions: Annotated[bool, typer.Option("--all-positions", help="Also score a block drafted at every position "
-                                                "(all_positions_tau: every position weighed once, as training losses "
-                                                "do).")] = False,
+    drafter: Drafters, settings: Settings, out: ResultsOut = None,
+    diagnostics: Annotated[bool, typer.Option("--diagnostics", rich_help_panel="Scoring", help="Also run the "
+                                              "diagnostics: layer ablation, layer-offset probe, sliding switch, first "
+                                              "divergences (drafter replays only).")] = False,
 ):
     """Evaluate drafter checkpoints: tau on the prompts, computing only what the store lacks. Several --drafter
     options, or a training run's folder, evaluate each checkpoint in turn in this one process: each its own flow
     run with its own results, the target's head loaded once."""
-    _evaluate_by_hand(drafter, inputs, by_hand, settings, baseline=baseline, report_dir=report_dir,
-                      until="diagnostics" if diagnostics else "scores", all_positions=all_positions)
+    _evaluate_by_hand(drafter, settings, out, until="diagnostics" if diagnostics else "scores")
 
 
 @app.command(epilog=example("dflash-eval stage features --refresh --target runs/tiny/target",
                             "--drafter runs/tiny/drafter/step_400 --prompts runs/tiny/prompts.jsonl"))
-@option_groups
+@settings_options()
 def stage(
     name: Annotated[Stage, typer.Argument(metavar="NAME", help="fetch, references, features, drafts, scores or "
                                           "diagnostics.")],
-    drafter: Drafter, inputs: Inputs, by_hand: ByHand, settings: Settings,
+    drafter: Drafter, settings: Settings, out: ResultsOut = None,
     refresh: Annotated[bool, typer.Option("--refresh", help="Recompute it even if the store has it.")] = False,
 ):
     """Run one stage by hand (and the stages it needs, from the store when they are there)."""
-    _evaluate_by_hand([drafter], inputs, by_hand, settings, until=name.value, refresh=[name.value] if refresh else [])
+    _evaluate_by_hand([drafter], settings, out, until=str(name), refresh=[str(name)] if refresh else None)
 
 
 @app.command(epilog=example("dflash-eval demo --store .dflash-store --out demo-results"))
@@ -335,11 +318,14 @@ def demo(
     typer.echo(f"tiny run: {tiny.root}")
     rows = []
     for checkpoint in tiny.drafter_steps:
-        results = evaluate({"target": str(tiny.target_dir), "drafter": str(checkpoint),
-                            "prompts": str(tiny.prompts_file),
-                            "max_new_tokens": tiny.record["settings"]["max_new_tokens"], "store": store,
-                            "dtype": "float32", "device": "cpu", "sliding_semantics": "causal", "thinking": False,
-                            "threads": threads})
+        try:
+            evaluation = Evaluation.checked(by_group({
+                "target": str(tiny.target_dir), "drafter": str(checkpoint), "prompts": str(tiny.prompts_file),
+                "max_new_tokens": tiny.record["settings"]["max_new_tokens"], "store": store, "dtype": "float32",
+                "threads": threads}), flag_name)
+        except SettingsError as e:
+            fail(str(e))
+        results = evaluate(evaluation)
         _print_results(results)
         write_results(results, out / f"{checkpoint.name}.json" if out else None)
         rows.append((checkpoint.name, results))

@@ -5,7 +5,7 @@ from typing import Annotated
 import typer
 
 from .common import configure_threads, decoding_threads, fail, token_from_file
-from .options import Device, DeviceOption, ServedDtype, Target, example
+from .options import DeviceOption, ServedDtype, Target, example
 
 app = typer.Typer()
 
@@ -18,8 +18,8 @@ def serve_reference(
                                       "port).")] = 30000,
     dtype: Annotated[ServedDtype, typer.Option("--dtype", help="auto (the checkpoint's own; float16 serves in "
                                                "float32, as evaluations compute), float32, bfloat16 or float16: the "
-                                               "target's compute dtype.")] = ServedDtype.auto,
-    device: DeviceOption = Device.cpu,
+                                               "target's compute dtype.")] = "auto",
+    device: DeviceOption = "cpu",
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="Model name in /v1/models and "
                                                           "responses (default: the target folder name).")] = None,
     api_key_file: Annotated[str | None, typer.Option("--api-key-file", help="File holding the API key clients must "
@@ -35,15 +35,15 @@ def serve_reference(
 
     api_key = token_from_file(api_key_file, "--api-key-file")
     try:
-        name = dtype.value
-        if dtype == ServedDtype.auto:
+        name = str(dtype)
+        if name == "auto":
             from dflash_eval.tasks.target import resolve_dtype
 
             choice = resolve_dtype(name, target)
             name = choice.name
             typer.echo(f"--dtype auto: {name} ({choice.note})" if choice.note else f"--dtype auto: {name}")
         configure_threads(threads if threads is not None else decoding_threads(target))
-        serve(target, host=host, port=port, dtype=name, served_model_name=served_model_name, device=device.value,
+        serve(target, host=host, port=port, dtype=name, served_model_name=served_model_name, device=str(device),
               log=typer.echo, api_key=api_key)
     except (ValueError, OSError) as e:  # no such target, port in use
         fail(str(e))

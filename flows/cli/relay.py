@@ -69,10 +69,7 @@ def relay_serve(
     except OSError as e:  # the port taken, the address not this machine's, the state folder not writable
         fail(f"the relay cannot start on {host}:{port}: {e.strerror or e}")
     typer.echo(f"relay listening on {relay.url}")
-    try:
-        relay.serve_forever()
-    except KeyboardInterrupt:
-        pass
+    relay.serve_forever()  # until Ctrl+C
 
 
 @app.command("ls", epilog=example("dflash-eval relay ls http://127.0.0.1:8700 --store .dflash-store"))

@@ -7,10 +7,11 @@ from typing import Annotated
 
 import typer
 
+from dflash_eval.flows.settings import Settings
 from dflash_eval.services.report_server import DEFAULT_HOST, DEFAULT_PORT, REPORT_URL_ENV, ReportServer, report_url
 
 from .common import bind_report_server, fail, open_store, start_local_server, write_results
-from .options import Baseline, Inputs, RelayTokenFile, Settings, absolute, example, option_groups
+from .options import example, settings_options
 
 app = typer.Typer()
 
@@ -18,17 +19,13 @@ app = typer.Typer()
 @app.command(epilog=example("PREFECT_API_URL=http://127.0.0.1:4200/api dflash-eval serve",
                             "--target runs/tiny/target --prompts runs/tiny/prompts.jsonl",
                             "--relay http://127.0.0.1:8700"))
-@option_groups
+@settings_options(by_hand=False)
 def serve(
-    *, inputs: Inputs,
+    *, settings: Settings,
     relay: Annotated[str | None, typer.Option("--relay", help="Also watch this relay (http://HOST:PORT) and evaluate "
                                               "checkpoints not scored yet, oldest step first.")] = None,
-    watch_interval: Annotated[float, typer.Option("--watch-interval", help="Seconds between two looks at the "
+    watch_interval: Annotated[float, typer.Option("--watch-interval", min=1, help="Seconds between two looks at the "
                                                   "relay.")] = 300,
-    settings: Settings, baseline: Baseline = None,
-    threads: Annotated[int | None, typer.Option("--threads", min=1, help="CPU threads each evaluation computes with "
-                                                "(the flow parameter `threads`; default: the cores / the machine's "
-                                                "heavy-stage slots).")] = None,
     poll_seconds: Annotated[float, typer.Option("--poll-seconds", min=0.05, help="How often to ask the server for flow "
                                                 "runs to start (Prefect's own default is 10 s; each ask is one small "
                                                 "query).")] = 0.25,
@@ -43,32 +40,32 @@ def serve(
 ):
     """Serve the deployments on this machine without a work pool (Prefect's runner), until interrupted:
     evaluate-checkpoint (started by `dflash-eval notify` events), watch-relay (with --relay) and
-    rerun-<stage>. Each flow run is a fork of a process that has imported torch and the flows already, so
-    it starts in a second, not ten. Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api. The report
-    every run rewrites, <store>/report, is served at http://<report host>:<report port>/ ($DFLASH_REPORT_URL,
-    if set, is the address the runs link to instead: a reverse proxy's)."""
+    rerun-<stage>, with these settings. Each flow run is a fork of a process that has imported torch and the flows
+    already, so it starts in a second, not ten. Needs a Prefect server: PREFECT_API_URL=http://HOST:4200/api. The
+    report every run rewrites, <store>/report, is served at http://<report host>:<report port>/
+    ($DFLASH_REPORT_URL, if set, is the address the runs link to instead: a reverse proxy's)."""
     from dflash_eval.flows.deployments import serve_deployments
 
-    if inputs.prompts is None:
-        fail("give --prompts (a suite or a prompt file): the deployments evaluate every checkpoint on them")
     if not os.environ.get("PREFECT_API_URL"):
         fail("set PREFECT_API_URL to a Prefect server (`prefect server start`): deployments, event triggers and "
              "schedules live there")
-    parameters = settings.parameters()
-    if baseline:
-        parameters["baseline"] = absolute(baseline)
-    if threads is not None:
-        parameters["threads"] = threads
     # before the runner: the flow runs' processes copy this one's environment when they start
-    store = open_store(inputs.store)
+    settings, store = _store_located(settings)
     server = _serve_report_to_runs(store.root / "report", report_host, report_port) if report_server else None
     try:
-        serve_deployments(poll_seconds=poll_seconds, target=absolute(inputs.target), prompts=absolute(inputs.prompts),
-                          relay=relay, store=store.location if inputs.store else None,
-                          watch_interval=watch_interval, max_new_tokens=inputs.max_new_tokens, parameters=parameters)
+        serve_deployments(settings, poll_seconds=poll_seconds, relay=relay, watch_interval=watch_interval)
     finally:
         if server is not None:
             server.stop()
+
+
+def _store_located(settings: Settings):
+    """(The settings with a store given as its absolute location: flow runs may start in another folder; the
+    store.) Without --store the flow runs find theirs ($DFLASH_STORE, else ./.dflash-store) where they run."""
+    store = open_store(settings.output.store)
+    if settings.output.store is None:
+        return settings, store
+    return settings.model_copy(update={"output": settings.output.model_copy(update={"store": store.location})}), store
 
 
 def _serve_report_to_runs(folder: Path, host: str, port: int) -> ReportServer:
@@ -91,24 +88,25 @@ def _serve_report_to_runs(folder: Path, host: str, port: int) -> ReportServer:
 @app.command(epilog=example("PREFECT_API_URL=http://127.0.0.1:4200/api dflash-eval watch",
                             "--relay http://127.0.0.1:8700 --target runs/tiny/target",
                             "--prompts runs/tiny/prompts.jsonl"))
-@option_groups
+@settings_options(by_hand=False)
 def watch(
     relay: Annotated[str, typer.Option("--relay", help="The relay to look at (http://HOST:PORT).")],
-    inputs: Inputs, relay_token_file: RelayTokenFile = None,
+    settings: Settings,
     out: Annotated[Path | None, typer.Option("--out", help="Write what was started (JSON) here (its folder is "
                                              "created if need be).")] = None,
 ):
     """Look at a relay once: start the evaluate-checkpoint deployment for each checkpoint not scored
-    yet, oldest step first (what the watch-relay deployment does on its schedule). Needs a Prefect
-    server with the deployment (`dflash-eval serve`)."""
-    from dflash_eval.flows.watch import watch_relay
+    yet, oldest step first (what the watch-relay deployment does on its schedule). The evaluations take the
+    deployment's settings, with those given here in their place. Needs a Prefect server with the deployment
+    (`dflash-eval serve`)."""
+    from dflash_eval.flows.watch import WatchError, watch_relay
 
-    if inputs.prompts is None:
-        fail("give --prompts (a suite or a prompt file): the checkpoints started are evaluated on them")
+    settings, _ = _store_located(settings)
     start_local_server()  # no PREFECT_API_URL: Prefect's temporary server, with time for a slow first start
-    started = watch_relay(relay=relay, target=absolute(inputs.target), prompts=absolute(inputs.prompts),
-                          store=str(Path(inputs.store).resolve()) if inputs.store else None,
-                          max_new_tokens=inputs.max_new_tokens, relay_token_file=relay_token_file)
+    try:
+        started = watch_relay(relay=relay, settings=settings.model_dump(mode="json", exclude_unset=True))
+    except WatchError as e:
+        fail(str(e))
     for run in started:
         typer.echo(f"{run['path']} (step {run['step']}): flow run {run['flow_run_id']}, attempt {run['attempt']}")
     if not started:

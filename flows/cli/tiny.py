@@ -3,12 +3,15 @@ a build is (here and in `demo`)."""
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Self
+from typing import TYPE_CHECKING, Annotated, Self
 
 import typer
 
 from .common import configure_threads, fail
 from .options import Arch, Threads, example
+
+if TYPE_CHECKING:
+    from rich.progress import TaskID
 
 app = typer.Typer(help="The tiny trained target and drafter run (demo, tests, smoke tests).", no_args_is_help=True)
 
@@ -31,7 +34,7 @@ class BuildProgress:
 
         self._bars = Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn())
-        self._steps: dict[str, int] = {}  # step -> its bar's TaskID
+        self._steps: dict[str, TaskID] = {}  # step -> its bar
 
     def __enter__(self) -> Self:
         self._bars.start()

@@ -44,10 +44,11 @@ from urllib.parse import urlsplit
 
 import requests
 import torch
-from urllib3.util.retry import Retry
 
 from dflash_core.decoding import decode
 from dflash_core.sampling import GREEDY, Sampling
+
+from ..http_session import retrying_session
 
 SCHEMES = ("sglang", "openai")
 API_KEY_ENV = "DFLASH_REFERENCE_API_KEY"
@@ -61,8 +62,6 @@ PROBE_TEXT = "Speculative decoding drafts 8 tokens; the target verifies them: de
 # run's thousands, and long enough that two models of one tokenizer rarely agree on all of them.
 FINGERPRINT_TEXTS = ("def fingerprint(model):\n    return", "The quick brown fox jumps over", "1, 2, 3, 5, 8, 13,")
 FINGERPRINT_TOKENS = 16
-# Answers a retry may fix: the server's own errors, and a busy one's 503 (its Retry-After is waited for).
-RETRY_STATUSES = frozenset(range(500, 600))
 # Generation gives the same answer however often it is asked (greedy, or sampled with the request's seed), so
 # POSTs are retried too.
 RETRY_METHODS = frozenset({"GET", "POST"})
@@ -145,16 +144,15 @@ class HTTPBackend(ABC):
         self.concurrency = concurrency
         self.timeout = timeout
         self.retries = retries
-        self.session = requests.Session()
-        # raise_on_status=False: the last 5xx answer comes back, so the error can quote the server
-        retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=RETRY_STATUSES,
-                      allowed_methods=RETRY_METHODS, raise_on_status=False)
-        adapter = requests.adapters.HTTPAdapter(pool_connections=1, pool_maxsize=concurrency, max_retries=retry)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        # one server, one connection per request in flight
+        self.session = retrying_session(retries, backoff, methods=RETRY_METHODS, pool_maxsize=concurrency,
+                                        pool_connections=1, bearer_token=api_key)
         self.has_api_key = bool(api_key)
-        if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    @property
+    @abstractmethod
+    def identity(self) -> dict:
+        """The served model, as the server says it (part of the references' key)."""
 
     def request(self, method: str, path: str, payload: dict | None = None, base_url: str | None = None) -> dict:
         """JSON answer of the server (at base_url + path; default this backend's base URL), after the

@@ -46,7 +46,7 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +55,7 @@ from dflash_core.decoding import decode
 from dflash_core.sampling import Sampling
 from dflash_core.target import DTYPES, load_target, read_target_config
 
-from ..http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
+from ..http_server import BackgroundServer, DeadlineRequestHandler, ErrorResponse
 from .request_fields import (
     RequestError,
     check_supported,
@@ -79,12 +79,11 @@ REQUEST_SECONDS = 30.0
 MAX_BODY_BYTES = 8 << 20  # a prompt of a million tokens as ids is ~7 MB of JSON
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
-class ReferenceServer:
+class ReferenceServer(BackgroundServer):
     """Serves `target_dir`'s completions (greedy or sampled) over HTTP (see the module docstring).
 
-    Binds at construction (`port=0` picks a free port; `url` tells which). `start()` serves in a
-    daemon thread, `serve_forever()` in this one; `stop()` shuts down. A context manager starts
-    and stops it.
+    Binds at construction, starts, serves and stops as every server (BackgroundServer; `port=0`
+    picks a free port, `url` tells which).
 
     `tokenizer_dir` serves a different tokenizer than the target's (text prompts, output text).
     `return_token_ids_supported=False` answers text only: `/generate` leaves out `output_ids` and
@@ -125,20 +124,9 @@ class ReferenceServer:
         self._tokenizer_lock = threading.Lock()  # fast tokenizers refuse concurrent use ("Already borrowed")
         self._requests_served = 0
         self._stopping = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._serving = False
-        self._httpd = _HTTPServer((host, port), _Handler, max_connections, max_connections, name="reference server",
-                                  logger=logger)
-        self._httpd.reference = self
-
-    # --- lifecycle
-
-    @property
-    def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        if isinstance(host, bytes):  # the address of an AF_UNIX socket; this server binds TCP
-            host = host.decode()
-        return f"http://{host}:{port}"
+        handler = type("Handler", (_Handler,), {"reference": self})
+        super().__init__(host, port, handler, max_connections, max_connections, name="reference server",
+                         logger=logger)
 
     @property
     def requires_api_key(self) -> bool:
@@ -150,36 +138,10 @@ class ReferenceServer:
         with self._lock:
             return self._requests_served
 
-    def start(self) -> Self:
-        if self._thread is None:
-            self._serving = True
-            self._thread = threading.Thread(target=self._httpd.serve_forever, name="reference-server", daemon=True)
-            self._thread.start()
-        return self
-
-    def serve_forever(self) -> None:
-        self._serving = True
-        try:
-            self._httpd.serve_forever()
-        finally:
-            self._serving = False
-
     def stop(self) -> None:
-        """Stop serving and close the socket; stalled requests are released and answered nothing."""
+        """Release stalled requests (they are answered nothing), then stop as every server (BackgroundServer.stop)."""
         self._stopping.set()
-        if self._serving:
-            self._httpd.shutdown()
-            self._serving = False
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-            self._thread = None
-        self._httpd.server_close()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
+        super().stop()
 
     # --- helpers used by the handler
 
@@ -465,12 +427,9 @@ class ReferenceServer:
                 "top_logprobs": top_logprobs}
 
 
-class _HTTPServer(BoundedHTTPServer):
-    reference: ReferenceServer
-
-
 class _Handler(DeadlineRequestHandler):
     # keep-alive; every answer carries a Content-Length. An idle connection is closed after REQUEST_SECONDS.
+    reference: ClassVar[ReferenceServer]  # the server answering: set on the subclass each ReferenceServer makes
     server_version = SERVER_VERSION
     request_timeout = REQUEST_SECONDS
     max_body_bytes = MAX_BODY_BYTES
@@ -487,11 +446,6 @@ class _Handler(DeadlineRequestHandler):
         "/detokenize": ReferenceServer.detokenize, "/v1/detokenize": ReferenceServer.detokenize,
     }
     GENERATION: ClassVar[set[str]] = {"/generate", "/v1/completions"}
-
-    @property
-    def reference(self) -> ReferenceServer:
-        assert isinstance(self.server, _HTTPServer), "every _Handler serves a _HTTPServer"
-        return self.server.reference
 
     def log_message(self, format, *args):
         logger.info("%s %s", self.address_string(), format % args)
@@ -586,16 +540,11 @@ class _Handler(DeadlineRequestHandler):
 def serve_reference(target_dir, host: str = "127.0.0.1", port: int = 30000, dtype: str = "float32",
                     served_model_name: str | None = None, tokenizer_dir=None, device: str = "cpu",
                     log=print, api_key: str | None = None) -> None:
-    """Load the target, serve it until interrupted; `log("listening on URL")` once it accepts requests.
+    """Load the target, serve it until Ctrl+C; `log("listening on URL")` once it accepts requests.
     With `api_key`, requests must carry `Authorization: Bearer <api_key>` (SGLang's --api-key)."""
     server = ReferenceServer(target_dir, host=host, port=port, dtype=dtype, served_model_name=served_model_name,
                              tokenizer_dir=tokenizer_dir, device=device, api_key=api_key)
     log(f"listening on {server.url} (model {server.served_model_name!r}, {dtype} on {device}; "
         "SGLang /generate and OpenAI /v1/completions, greedy or sampled"
         f"{'; API key required' if server.requires_api_key else ''})")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    server.serve_forever()

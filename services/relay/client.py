@@ -29,17 +29,14 @@ from urllib.parse import quote, urlencode, urlsplit
 
 import requests
 import urllib3
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
 
+from dflash_eval.services.http_session import retrying_session
 from dflash_eval.storage.hashing import file_sha256, key_of
 
 API = "/v1"
 PARTIAL_DIRNAME = ".partial"
 CHUNK_BYTES = 4 << 20  # per read: fewer, larger sha256 updates and writes (measured 12% less CPU than 1 MiB)
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-# The relay's own errors, an upstream failure (502) and a busy relay's 503 (with Retry-After) may pass.
-RETRY_STATUSES = frozenset(range(500, 600))
 
 
 class RelayError(Exception):
@@ -165,15 +162,9 @@ class RelayClient:
         self.retries = retries
         self.backoff = backoff
         self.manifest_timeout = max(timeout, manifest_timeout)
-        self._session = requests.Session()
-        # raise_on_status=False: the last 5xx answer comes back, so the error can quote the relay
-        retry = Retry(total=retries, backoff_factor=backoff, status_forcelist=RETRY_STATUSES,
-                      allowed_methods=frozenset({"GET"}), raise_on_status=False)
-        adapter = HTTPAdapter(pool_maxsize=32, max_retries=retry)
-        self._session.mount("http://", adapter)
-        self._session.mount("https://", adapter)
-        if token:
-            self._session.headers["Authorization"] = f"Bearer {token}"
+        # up to 32 connections kept for reuse: the threads of parallel downloads, a middle relay's pulls
+        self._session = retrying_session(retries, backoff, methods=frozenset({"GET"}), pool_maxsize=32,
+                                         bearer_token=token)
 
     def close(self) -> None:
         self._session.close()

@@ -22,10 +22,10 @@ import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, BinaryIO, Self
+from typing import Any, BinaryIO
 from urllib.parse import parse_qs
 
-from dflash_eval.services.http_server import BoundedHTTPServer, DeadlineRequestHandler, ErrorResponse
+from dflash_eval.services.http_server import BackgroundServer, DeadlineRequestHandler, ErrorResponse
 from dflash_eval.storage.hashing import DigestCache
 from dflash_eval.storage.records import read_json, write_json_atomic
 
@@ -49,13 +49,14 @@ CHUNK_BYTES = 1 << 20
 DEFAULT_STATE_DIR = Path("~/.cache/dflash-eval/relay")
 
 
-class RelayServer:
+class RelayServer(BackgroundServer):
     """A relay over `root_dir` (local checkpoints) and/or `upstream` (another relay, pulled through).
 
-    `url` is its base URL once constructed (the port is bound in the constructor). `faults` and
-    `bytes_sent` are test hooks: put "cut", "corrupt" or "truncate" in `faults` and the next file
-    response misbehaves that way once; `bytes_sent` counts file body bytes sent. `max_rate` caps
-    the bytes/s sent over all downloads together (so a relay next to a trainer leaves it bandwidth).
+    Binds, starts, serves and stops as every server (BackgroundServer): `url` is its base URL once
+    constructed. `faults` and `bytes_sent` are test hooks: put "cut", "corrupt" or "truncate" in
+    `faults` and the next file response misbehaves that way once; `bytes_sent` counts file body
+    bytes sent. `max_rate` caps the bytes/s sent over all downloads together (so a relay next to a
+    trainer leaves it bandwidth).
 
     Bounds (docs/relay.md, Security): `max_connections` served at once (default 128) and
     `max_connections_per_client` from one address (32; a client downloads with a few parallel
@@ -118,57 +119,14 @@ class RelayServer:
         self._file_locks: dict[str, threading.Lock] = {}  # "<path>/<name>" -> held while opening or pulling it
         self._verified: dict[str, tuple[int, int, str]] = {}  # cache file -> (size, mtime_ns, sha256)
         self._pulls: dict[str, UpstreamPull] = {}  # "<path>/<name>" -> its download from the upstream
-        self._thread: threading.Thread | None = None
-        self._httpd = BoundedHTTPServer((host, port), self._handler_class(), max_connections, max_connections_per_client,
-                                        name="relay", logger=log)
-        bound_host, bound_port = str(self._httpd.server_address[0]), self._httpd.server_address[1]
-        shown = host if host not in ("", "0.0.0.0", "::") else bound_host
-        if ":" in shown:
-            shown = f"[{shown}]"
-        self.url = f"http://{shown}:{bound_port}"
-
-    # ------------------------------------------------------------ lifecycle
-
-    def start(self) -> Self:
-        """Serve in a daemon thread; returns self."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, args=(0.1,), name="relay-server", daemon=True)
-        self._thread.start()
-        return self
-
-    def serve_forever(self) -> None:
-        """Serve in this thread until interrupted; then close every connection."""
-        try:
-            self._httpd.serve_forever()
-        finally:
-            self._httpd.server_close()
-            self._httpd.close_connections()
+        super().__init__(host, port, self._handler_class(), max_connections, max_connections_per_client,
+                         name="relay", logger=log)
 
     def stop(self) -> None:
-        """Stop accepting, end the connections being served, release the port."""
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join()
-            self._thread = None
-        self._httpd.server_close()
-        self._httpd.close_connections()
+        """As every server (BackgroundServer.stop), then close the session to the upstream relay."""
+        super().stop()
         if self.upstream is not None:
             self.upstream.close()
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    @property
-    def active_connections(self) -> int:
-        """Connections being served now (each holds one thread)."""
-        return self._httpd.active_connections
-
-    @property
-    def refused_connections(self) -> int:
-        """Connections answered 503 since start because a bound was reached."""
-        return self._httpd.refused
 
     def _pace(self, n: int) -> None:
         """Under `max_rate`, wait for `n` bytes' turn on the shared outgoing link."""
