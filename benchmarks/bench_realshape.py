@@ -11,6 +11,12 @@
               64 layers repeat), against a bf16 GEMM of those layers' projections at the same M.
   long        one --long-tokens prompt (8k by default) through the same layers, then through the
               drafts stage: the peak memory of the longest prompts; off unless asked for (minutes).
+  sampled     the drafts stage with sampled drafts (--draft-sample-method probabilistic) against greedy drafts,
+              the same references in the same process: every start position is scored (one block per
+              completion token, as random weights give greedy drafts too), the head at every draft position
+              until one q cannot draft (q at the temperature only: every position, the worst case; with top-k
+              20 and top-p 0.95: most blocks stop after the first), and the expectation's dynamic programming.
+              The target's probabilities of the tokens are drawn uniform in [0.05, 1].
   agreement   the drafts stage in bf16 against float32 on the same float32 features, with the tiny
               trained run (real acceptance; built or reused from ~/.cache/dflash-eval/tiny): fraction of
               identical acceptance lengths at every position, and the tau difference.
@@ -22,7 +28,7 @@ overhead is well under 1% here: a few thousand ops, each milliseconds long). The
 extrapolates a full evaluation to a box of C cores (assumptions printed with it).
 
 Run: .venv/bin/python benchmarks/bench_realshape.py [--threads 2] [--refs 8] [--long-tokens 8192]
-     [--stages drafts,extraction,agreement,long]
+     [--stages drafts,extraction,agreement,sampled,long]
 """
 
 import argparse
@@ -103,7 +109,8 @@ def random_bf16(*shape, std=0.02) -> torch.Tensor:
     return torch.empty(*shape, dtype=torch.bfloat16).normal_(0, std)
 
 
-def stage_drafts(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
+def random_case(n_refs: int, prompt_len: int, new_tokens: int):
+    """(drafter, embedding, head, references, features) at the real shape, random, the replay warmed up."""
     from dflash_core.replay import Reference, replay
 
     torch.manual_seed(0)
@@ -114,6 +121,13 @@ def stage_drafts(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
     features = [torch.randn(len(FEATURE_LAYERS), length, HIDDEN, dtype=torch.bfloat16) for _ in range(n_refs)]
     warm_up = Reference(prompt_len, refs[0].token_ids[:prompt_len + 2])
     replay(drafter, embed, head, [warm_up], [features[0][:, :prompt_len + 2]])
+    return drafter, embed, head, refs, features
+
+
+def stage_drafts(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
+    from dflash_core.replay import replay
+
+    drafter, embed, head, refs, features = random_case(n_refs, prompt_len, new_tokens)
     start = time.perf_counter()
     with torch.no_grad():
         results = replay(drafter, embed, head, refs, features)
@@ -125,6 +139,29 @@ def stage_drafts(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
     rate = gemm_rate(shapes, m=min(n_refs, 64) * BLOCK)
     return {"seconds": seconds, "blocks": sum(len(r.acceptance_lengths) for r in results),
             "gflop": replay_gflop(drafter.cfg, refs, results, VOCAB), "gemm_gflops": rate, "peak_rss_gb": peak_rss_gb()}
+
+
+def stage_sampled(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
+    from dflash_core.replay import replay
+    from dflash_core.sampled_drafts import SampledDrafts
+    from dflash_core.sampling import Sampling
+
+    drafter, embed, head, refs, features = random_case(n_refs, prompt_len, new_tokens)
+    probs = [0.05 + 0.95 * torch.rand(prompt_len + new_tokens) for _ in range(n_refs)]
+
+    def timed(**kwargs) -> tuple[float, int]:
+        start = time.perf_counter()
+        with torch.no_grad():
+            results = replay(drafter, embed, head, refs, features, **kwargs)
+        return time.perf_counter() - start, sum(len(r.acceptance_lengths) for r in results)
+
+    greedy_seconds, greedy_blocks = timed()
+    sampled = []
+    for q in (Sampling(0.6), Sampling(0.6, 20, 0.95)):
+        seconds, _ = timed(sampled=SampledDrafts(q, probs, list(range(n_refs))))
+        sampled.append({"q": q.describe(), "seconds": seconds, "blocks": n_refs * (new_tokens - 1)})
+    return {"greedy_seconds": greedy_seconds, "greedy_blocks": greedy_blocks, "sampled": sampled,
+            "peak_rss_gb": peak_rss_gb()}
 
 
 def replay_gflop(cfg, refs, results, vocab: int) -> float:
@@ -229,6 +266,8 @@ def child(args) -> None:
         result = stage_extraction(1, args.long_tokens)
     elif args.stage == "long-drafts":
         result = stage_drafts(1, args.long_tokens, args.new_tokens)
+    elif args.stage == "sampled":
+        result = stage_sampled(args.refs, args.prompt_len, args.new_tokens)
     else:
         result = stage_agreement()
     print("RESULT " + json.dumps(result))
@@ -301,6 +340,15 @@ def main():
             print(f"{stage}: {e['layers']} layers (Gated DeltaNet x3 + full attention) over {e['tokens']} tokens in "
                   f"{e['seconds']:.1f} s ({e['tokens'] / e['seconds']:.0f} tokens/s through the {e['layers']} layers)")
             print(rate_line(e))
+    if "sampled" in found:
+        d = found["sampled"]
+        print(f"greedy drafts: {d['greedy_blocks']} blocks in {d['greedy_seconds']:.1f} s "
+              f"({d['greedy_seconds'] / d['greedy_blocks'] * 1e3:.0f} ms per block)")
+        for q in d["sampled"]:
+            print(f"sampled drafts, q {q['q']}: {q['blocks']} blocks in {q['seconds']:.1f} s "
+                  f"({q['seconds'] / q['blocks'] * 1e3:.0f} ms per block): {q['seconds'] / d['greedy_seconds']:.2f}x "
+                  "greedy drafts' time (for a trained drafter, greedy drafts score one block per step, sampled ones "
+                  "one per token: tau x this)")
     if "agreement" in found:
         a = found["agreement"]
         print(f"bf16 vs float32 drafts (tiny trained run, same float32 features): {a['identical']}/{a['positions']} "

@@ -19,7 +19,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .drafter import DFlashDrafter
 from .drafter_config import check_block_size, check_compatible
-from .sampling import GREEDY, Sampling, Verification, verify_block
+from .sampling import GREEDY, Sampling, Verification, draw, verify_block, verify_sampled_block
 from .target import Target
 
 
@@ -95,7 +95,7 @@ def greedy_decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_id
 def speculative_decode(
     target: Target, drafter: DFlashDrafter, prompt_ids, max_new_tokens: int, stop_token_ids=(),
     sampling: Sampling = GREEDY, rule: Verification = "match", generator: torch.Generator | None = None,
-    block_size: int | None = None,
+    block_size: int | None = None, draft_sampling: Sampling | None = None,
 ) -> DecodeResult:
     """Speculative decoding with the target verifying every block.
 
@@ -105,7 +105,9 @@ def speculative_decode(
     (dflash_core.sampling.verify_block). Emitted tokens are clipped at a stop token and at
     max_new_tokens, exactly as the replay clips. Greedy, its output equals greedy_decode's.
     block_size: verify blocks of b <= the drafter's block size (SGLang's --speculative-num-draft-tokens):
-    the drafter runs on b positions, not on its whole block cut short.
+    the drafter runs on b positions, not on its whole block cut short. draft_sampling: draw each draft from the
+    drafter's logits processed so (q) and verify by rejection sampling against the target's p (`rule` is then
+    not used: dflash_core.sampling.verify_sampled_block), as dflash 0.1.0 and vLLM's probabilistic drafting do.
     """
     check_compatible(drafter.cfg, target.hidden_size, target.vocab_size, target.num_layers)
     ids = _check_prompt(target, prompt_ids, max_new_tokens)
@@ -133,12 +135,19 @@ def speculative_decode(
         block[0, 0] = ids[start]
         ctx = [(k[None], v[None]) for k, v in context]
         hidden = drafter(F.embedding(block, embed), torch.tensor([start], device=drafter.device), ctx)
-        drafts = (hidden[0, 1:] @ head.T).argmax(-1).tolist()  # B-1 drafted tokens
+        if draft_sampling is None:
+            drafts = (hidden[0, 1:] @ head.T).argmax(-1).tolist()  # B-1 drafted tokens
+        else:
+            draft_probs = draft_sampling.probabilities(drafter.logits(hidden[0, 1:], head))  # q [B-1, V]
+            drafts = draw(draft_probs, generator).tolist()
 
         verify = [ids[start]] + drafts
         snapshot = _snapshot(recurrent)
         out = target.forward(torch.tensor([verify], device=target.device), cache=cache, layer_ids=layer_ids)
-        new_tokens = verify_block(drafts, out.require_logits()[0], sampling, rule, generator)
+        if draft_sampling is None:
+            new_tokens = verify_block(drafts, out.require_logits()[0], sampling, rule, generator)
+        else:
+            new_tokens = verify_sampled_block(drafts, draft_probs, out.require_logits()[0], sampling, generator)
         new_tokens = new_tokens[: max_len - start - 1]
         for j, t in enumerate(new_tokens):
             if t in stop:

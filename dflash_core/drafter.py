@@ -181,6 +181,15 @@ class DFlashDrafter(nn.Module):
         shared = [(k[None, :, :S].expand(N, -1, -1, -1), v[None, :, :S].expand(N, -1, -1, -1)) for k, v in context]
         return self(block_embeds, starts, shared)
 
+    def logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits: its hidden states [..., H] through the target's head [V, H], times the config's
+        output_multiplier, then softcapped (tanh(x / cap) * cap), as z-lab's compute_logits does. Both are
+        monotonic: the argmax (a greedy draft) is the raw logits', which the replay uses as they are; a sampled
+        draft's distribution needs them. [..., V], float32."""
+        logits = (hidden @ head_weight.T).float() * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
     def context_kv(self, features: torch.Tensor, start_position: int = 0) -> list[LayerKV]:
         """Per-layer context keys/values of one sequence, or of a batch of equally long ones.
 

@@ -125,6 +125,10 @@ class DrafterConfig:
     # whole block. True/False: every layer is causal / bidirectional within the block (z-lab's rule).
     is_causal: bool | None = None
     input_embedding_scale: float = 1.0  # multiplies the block's (raw) target embeddings, as z-lab does
+    # the logits' transforms z-lab applies: x multiplier, then tanh(x / cap) * cap (None: none). Monotonic, so greedy
+    # drafts (the argmax) ignore them; sampled drafts' distribution q is computed from the transformed logits
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json", mask_token_id: int | None = None,
@@ -191,7 +195,14 @@ class DrafterConfig:
             num_target_layers=num_target_layers, vocab_size=raw.get("vocab_size"), layer_types=layer_types,
             sliding_window=window, rope=rope, raw=raw, is_causal=is_causal,
             input_embedding_scale=1.0 if scale is None else float(scale),
+            output_multiplier=float(fields.dflash("output_multiplier") or 1.0),
+            final_logit_softcapping=_softcap(fields.dflash("final_logit_softcapping")),
         )
+
+
+def _softcap(value: Any) -> float | None:
+    """final_logit_softcapping as z-lab applies it: a cap above 0, else none (null, 0)."""
+    return float(value) if value is not None and value > 0 else None
 
 
 def read_drafter_config(path: str | Path, mask_token_id: int | None = None, tokenizer: Any = None) -> DrafterConfig:
@@ -360,11 +371,11 @@ def _refuse_unimplemented(fields: _Fields) -> None:
     if act != "silu":
         fields.fail(f"hidden_act {act!r}: DFlash drafters use SwiGLU ('silu'); this implementation computes nothing "
                     "else")
-    # Logit transforms z-lab's reference applies before argmax: monotonic ones leave greedy drafts unchanged.
+    # Logit transforms z-lab's reference applies before its argmax or sampling (DrafterConfig reads them).
     multiplier = fields.dflash("output_multiplier")
     if multiplier is not None and not (_is_number(multiplier) and multiplier > 0):
-        fields.fail(f"{fields.name('output_multiplier')} = {multiplier!r}: only a positive multiplier keeps the "
-                    "greedy draft (argmax) unchanged, and logits are not scaled here")
+        fields.fail(f"{fields.name('output_multiplier')} = {multiplier!r}: a drafter's logits are scaled by a positive "
+                    "multiplier (a negative or zero one would turn its drafts around)")
     softcap = fields.dflash("final_logit_softcapping")
     if softcap is not None and not _is_number(softcap):
         fields.fail(f"{fields.name('final_logit_softcapping')} must be a number or null, got {softcap!r}")

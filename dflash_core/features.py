@@ -25,10 +25,16 @@ equal to Hugging Face's `output_hidden_states=True`.
 """
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from .sampling import Sampling
 from .target import Target
+
+# Positions whose logits are formed at once when the target's probabilities are computed: [rows, V] in float32
+# (a 248k vocabulary: 256 rows are 254 MB).
+LOGIT_ROWS = 256
 
 
 def _as_id_tensor(sequence, index: int) -> torch.Tensor:
@@ -46,6 +52,81 @@ def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[
     """Group sequence indices into batches of similar length (longest first) to cut padding."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+@dataclass(frozen=True)
+class Extracted:
+    """What one teacher-forced pass gives of one sequence."""
+
+    features: torch.Tensor | None  # [K, T, H] of the layer ids asked for; None when none was
+    probabilities: torch.Tensor | None  # [T] float32: p[t] of token t after tokens < t (p[0] = 1); None unless asked
+
+
+def reference_probabilities(target: Target, final_hidden: torch.Tensor, token_ids: torch.Tensor,
+                            sampling: Sampling) -> torch.Tensor:
+    """p[t]: the target's probability of token_ids[t] after token_ids[:t], processed as served (`sampling`), from
+    its final-norm hidden states [T, H] through its head; p[0] = 1 (the first token is given). [T] float32, on the
+    CPU. The logits are formed LOGIT_ROWS positions at a time."""
+    p = torch.ones(len(token_ids), dtype=torch.float32)
+    for first in range(0, len(token_ids) - 1, LOGIT_ROWS):
+        last = min(first + LOGIT_ROWS, len(token_ids) - 1)
+        logits = target.apply_head(final_hidden[first:last])  # predicts tokens first+1 .. last
+        p[first + 1:last + 1] = sampling.probability_of(logits, token_ids[first + 1:last + 1].to(logits.device)).cpu()
+    return p
+
+
+def extract(
+    target: Target,
+    sequences: Sequence[Sequence[int]] | Sequence[torch.Tensor],
+    layer_ids: Sequence[int],
+    probabilities: Sampling | None = None,
+    batch_size: int = 8,
+    progress: Callable[[int], None] | None = None,
+    device: str | torch.device | None = "cpu",
+) -> list[Extracted]:
+    """One teacher-forced pass per batch: the hidden states of `layer_ids` (extract_features) and, with
+    `probabilities`, the target's probability of each token at those sampling settings (reference_probabilities:
+    the same pass then runs to the last layer)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    layer_ids = target.check_layer_ids(layer_ids)
+    if not layer_ids and probabilities is None:
+        raise ValueError("layer_ids is empty: nothing to extract")
+    sequences = [_as_id_tensor(s, i) for i, s in enumerate(sequences)]
+    for ids in sequences:
+        target.check_length(len(ids))
+    last = target.num_layers - 1
+    run_ids = sorted(set(layer_ids) | ({last} if probabilities is not None else set()))
+
+    results: dict[int, Extracted] = {}  # by index in `sequences`
+    done = 0
+    for batch in length_sorted_batches([len(s) for s in sequences], batch_size):
+        lengths = [len(sequences[i]) for i in batch]
+        max_len = max(lengths)
+        input_ids = torch.zeros(len(batch), max_len, dtype=torch.long)  # pad id 0: any valid id works
+        attention_mask = torch.zeros(len(batch), max_len, dtype=torch.long)
+        for row, i in enumerate(batch):
+            input_ids[row, : lengths[row]] = sequences[i]
+            attention_mask[row, : lengths[row]] = 1
+        # Without padding, skip the mask so the call is exactly an unbatched HF forward.
+        padded = min(lengths) < max_len
+        out = target.forward(
+            input_ids,
+            attention_mask=attention_mask if padded else None,
+            layer_ids=run_ids,
+            logits=False,
+        )
+        for row, i in enumerate(batch):
+            # stack copies, so no view keeps the padded batch alive
+            features = torch.stack([out.features[k][row, : lengths[row]] for k in layer_ids]) if layer_ids else None
+            probs = None if probabilities is None else reference_probabilities(
+                target, out.features[last][row, : lengths[row]], sequences[i], probabilities)
+            results[i] = Extracted(features if features is None or device is None else features.to(device), probs)
+        del out
+        done += len(batch)
+        if progress is not None:
+            progress(done)
+    return [results[i] for i in range(len(sequences))]
 
 
 def extract_features(
@@ -72,39 +153,7 @@ def extract_features(
         `hidden_states[layer_ids[k] + 1]` (so the last layer is the final-norm output).
         Layers after max(layer_ids) are not run.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    layer_ids = target.check_layer_ids(layer_ids)
     if not layer_ids:
         raise ValueError("layer_ids is empty: nothing to extract")
-    sequences = [_as_id_tensor(s, i) for i, s in enumerate(sequences)]
-    for ids in sequences:
-        target.check_length(len(ids))
-
-    results: dict[int, torch.Tensor] = {}  # by index in `sequences`
-    done = 0
-    for batch in length_sorted_batches([len(s) for s in sequences], batch_size):
-        lengths = [len(sequences[i]) for i in batch]
-        max_len = max(lengths)
-        input_ids = torch.zeros(len(batch), max_len, dtype=torch.long)  # pad id 0: any valid id works
-        attention_mask = torch.zeros(len(batch), max_len, dtype=torch.long)
-        for row, i in enumerate(batch):
-            input_ids[row, : lengths[row]] = sequences[i]
-            attention_mask[row, : lengths[row]] = 1
-        # Without padding, skip the mask so the call is exactly an unbatched HF forward.
-        padded = min(lengths) < max_len
-        out = target.forward(
-            input_ids,
-            attention_mask=attention_mask if padded else None,
-            layer_ids=layer_ids,
-            logits=False,
-        )
-        for row, i in enumerate(batch):
-            # stack copies, so no view keeps the padded batch alive
-            features = torch.stack([out.features[k][row, : lengths[row]] for k in layer_ids])
-            results[i] = features if device is None else features.to(device)
-        del out
-        done += len(batch)
-        if progress is not None:
-            progress(done)
-    return [results[i] for i in range(len(sequences))]
+    extracted = extract(target, sequences, layer_ids, batch_size=batch_size, progress=progress, device=device)
+    return [e.features for e in extracted if e.features is not None]  # (every one: layer ids were given)

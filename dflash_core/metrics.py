@@ -15,6 +15,10 @@ target's bonus token, 1..B for block size B.
 - projected speedup: tau / (1 + c) for a drafter forward costing c target forwards, an upper bound (a step
   verifying a block is taken to cost one decode step).
 
+With sampled drafts (dflash_core.sampled_drafts) a prompt's steps are known in expectation over the acceptance
+coins (`PromptScore.expected`): its tau is the expected tau, and the counts below (steps, tokens, histogram,
+positions, clipped steps) are expected counts; `acceptance_lengths` then hold one draw of the coins.
+
 A reference ends where the target stopped, so a prompt's last step can only be compared against the
 tokens the reference holds: when that step accepted all of them and its block reached past the end,
 it is *clipped* (it might have been longer had the target gone on). Online decoding stops at the
@@ -24,7 +28,7 @@ same place, so clipped steps are exactly what a real run emits; they are counted
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 # Draft/target forward-cost ratios the scores project speedups for (a 5-layer drafter over a 64-layer
 # target is ~0.05-0.1 of a target forward).
@@ -41,10 +45,11 @@ class PromptScore:
     starts: list[int]
     reference_len: int  # prompt + completion (+ lookahead) tokens
     prompt: str | None = None  # the prompt (and turn) this reference is a sample of; None: its own id
+    expected: Any = None  # sampled drafts: dflash_core.sampled_drafts.ExpectedSteps; None: the steps are exact
 
     @property
     def tau(self) -> float:
-        return mean_acceptance(self.acceptance_lengths)
+        return tau_of(self)
 
     def last_step_clipped(self, block_size: int) -> bool:
         """Whether the last step accepted every token the reference still had, fewer than a block
@@ -65,9 +70,16 @@ def mean_acceptance(acceptance_lengths: Sequence[int]) -> float:
     return sum(acceptance_lengths) / len(acceptance_lengths)
 
 
+def tau_of(steps: Steps) -> float:
+    """One prompt's tau: its expected tau with sampled drafts (an `expected` with one), else its mean acceptance
+    length."""
+    expected = getattr(steps, "expected", None)
+    return expected.tau if expected is not None else mean_acceptance(steps.acceptance_lengths)
+
+
 def tau_macro(prompts: Sequence[Steps]) -> float:
-    """Mean over prompts of each prompt's mean acceptance length (each prompt with one step or more)."""
-    return sum(mean_acceptance(p.acceptance_lengths) for p in prompts) / len(prompts)
+    """Mean over prompts of each prompt's tau (each prompt with one step or more)."""
+    return sum(tau_of(p) for p in prompts) / len(prompts)
 
 
 def teacher_forced_accuracy(position_hits: Sequence[Sequence[Sequence[int]]]) -> list[float | None]:
@@ -80,9 +92,17 @@ def teacher_forced_accuracy(position_hits: Sequence[Sequence[Sequence[int]]]) ->
     return [h / n if n else None for h, n in zip(hits, compared)]
 
 
+def _tokens(p: PromptScore) -> float:
+    return p.expected.tokens if p.expected is not None else sum(p.acceptance_lengths)
+
+
+def _steps(p: PromptScore) -> float:
+    return p.expected.steps if p.expected is not None else len(p.acceptance_lengths)
+
+
 def tau_pooled(prompts: Sequence[PromptScore]) -> float:
-    """Total tokens emitted / total target steps over all prompts."""
-    return sum(sum(p.acceptance_lengths) for p in prompts) / sum(len(p.acceptance_lengths) for p in prompts)
+    """Total tokens emitted / total target steps over all prompts (expected, with sampled drafts)."""
+    return sum(_tokens(p) for p in prompts) / sum(_steps(p) for p in prompts)
 
 
 def all_positions_tau(acceptance_by_position: Sequence[Sequence[int]]) -> float:
@@ -93,13 +113,17 @@ def all_positions_tau(acceptance_by_position: Sequence[Sequence[int]]) -> float:
     return sum(per_prompt) / len(per_prompt)
 
 
-def histogram(prompts: Sequence[PromptScore], block_size: int) -> list[int]:
-    """counts[k - 1] = number of steps with acceptance length k, for k = 1..block_size."""
-    counts = [0] * block_size
+def histogram(prompts: Sequence[PromptScore], block_size: int) -> list[float]:
+    """counts[k - 1] = number of steps with acceptance length k, for k = 1..block_size (expected, with sampled
+    drafts)."""
+    counts = [0.0] * block_size
     for p in prompts:
+        if p.expected is not None:
+            counts = [c + e for c, e in zip(counts, p.expected.histogram)]
+            continue
         for length in p.acceptance_lengths:
             counts[length - 1] += 1
-    return counts
+    return [_whole(c) for c in counts]
 
 
 def position_acceptance(prompts: Sequence[PromptScore], block_size: int) -> list[float | None]:
@@ -112,18 +136,34 @@ def position_acceptance(prompts: Sequence[PromptScore], block_size: int) -> list
     return [a / r if r else None for a, r in zip(accepted, reached)]
 
 
-def position_counts(prompts: Sequence[PromptScore], block_size: int) -> tuple[list[int], list[int]]:
+def position_counts(prompts: Sequence[PromptScore], block_size: int) -> tuple[list, list]:
     """(reached, accepted): per draft position k = 1..B-1, the steps that compared it (every earlier one accepted)
-    and those that accepted it (position_acceptance's rule for clipped last steps)."""
-    reached, accepted = [0] * (block_size - 1), [0] * (block_size - 1)
+    and those that accepted it (position_acceptance's rule for clipped last steps); expected, with sampled
+    drafts."""
+    reached, accepted = [0.0] * (block_size - 1), [0.0] * (block_size - 1)
     for p in prompts:
+        if p.expected is not None:
+            reached = [r + e for r, e in zip(reached, p.expected.reached)]
+            accepted = [a + e for a, e in zip(accepted, p.expected.accepted)]
+            continue
         for i, length in enumerate(p.acceptance_lengths):
             clipped = i == len(p.acceptance_lengths) - 1 and p.last_step_clipped(block_size)
             for k in range(1, min(length if not clipped else length - 1, block_size - 1) + 1):
                 reached[k - 1] += 1
             for k in range(1, length):
                 accepted[k - 1] += 1
-    return reached, accepted
+    return [_whole(r) for r in reached], [_whole(a) for a in accepted]
+
+
+def _whole(count: float) -> int | float:
+    """A count as an int where it is one (the exact steps), else as it is (an expectation)."""
+    return int(count) if float(count).is_integer() else count
+
+
+def clipped_last_steps(prompts: Sequence[PromptScore], block_size: int) -> int | float:
+    """How many prompts' last step is clipped (its probability, summed, with sampled drafts)."""
+    return _whole(sum(p.expected.clipped if p.expected is not None else p.last_step_clipped(block_size)
+                      for p in prompts))
 
 
 def position_acceptance_intervals(prompts: Sequence[PromptScore], block_size: int, draws: int = 1000, seed: int = 0,
@@ -133,7 +173,7 @@ def position_acceptance_intervals(prompts: Sequence[PromptScore], block_size: in
     reached the position; where some draws never reach it, the interval is over the draws that do."""
     import numpy as np  # (only here: history and the report import this module, and only need plain Python)
 
-    counts = np.array([position_counts([p], block_size) for p in prompts], dtype=np.int64)  # [N, 2, B-1]
+    counts = np.array([position_counts([p], block_size) for p in prompts], dtype=np.float64)  # [N, 2, B-1]
     groups: dict[str, list[int]] = {}
     for n, p in enumerate(prompts):
         groups.setdefault(p.prompt or p.id, []).append(n)
@@ -252,6 +292,13 @@ LOOKAHEAD_NOTE = (
 )
 
 
+def drawn_taus(prompts: Sequence[PromptScore]) -> dict[str, float]:
+    """With sampled drafts: tau macro and pooled of the one draw of the acceptance coins the steps hold (what one
+    served run would have logged; tau itself is their expectation)."""
+    drawn = [PromptScore(p.id, p.category, p.acceptance_lengths, p.starts, p.reference_len, p.prompt) for p in prompts]
+    return {"tau_macro": tau_macro(drawn), "tau_pooled": tau_pooled(drawn)}
+
+
 def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool = False) -> dict:
     """The scores record: tau (macro, pooled), histogram, clipped steps and per-prompt detail (JSON-able).
 
@@ -282,11 +329,12 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
         "n_prompts": len(prompts),
         "samples_per_prompt": max(len(g) for g in by_prompt(prompts)),  # 1: greedy
         "n_scored_prompts": len(scored),
-        "n_steps": sum(len(p.acceptance_lengths) for p in scored),
-        "n_tokens": sum(sum(p.acceptance_lengths) for p in scored),
-        "clipped_last_steps": sum(p.last_step_clipped(block_size) for p in scored),
+        "n_steps": _whole(sum(_steps(p) for p in scored)),
+        "n_tokens": _whole(sum(_tokens(p) for p in scored)),
+        "clipped_last_steps": clipped_last_steps(scored, block_size),
         "lookahead": lookahead,
         "clipping_note": LOOKAHEAD_NOTE if lookahead else CLIPPING_NOTE,
+        **({"tau_drawn": drawn_taus(scored)} if any(p.expected is not None for p in scored) else {}),
         "per_prompt": [
             {
                 "id": p.id,

@@ -14,6 +14,10 @@ The last step of a reference is clipped: R ends where the target stopped, so onl
 can be compared (this is also where an online loop stops). A reference with lookahead tokens (the
 target's greedy tokens past its stop) scores the last step against a whole block instead.
 
+With drafts sampled from the drafter's q and accepted by rejection sampling (`sampled`), a draft is accepted with
+probability min(1, q(y)/p(y)) given the token y emitted: dflash_core.sampled_drafts replays that rule, in
+expectation and in one seeded draw, from a block scored at every start position.
+
 Speed: context keys/values are computed once per sequence (drafter.context_kv); blocks from many
 sequences or start positions run as one batch under a mask; the lm_head runs only for blocks still
 matching, since positions after the first mismatch cannot change the answer (while few blocks are
@@ -23,11 +27,14 @@ alive, one pass over the head serves several positions: it costs what one positi
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from .drafter import DFlashDrafter
 from .drafter_config import check_block_size, check_compatible
+from .sampled_drafts import ExpectedSteps, SampledDrafts, acceptance, coin_steps, expected_steps, step_distribution
+from .sampling import Sampling
 
 # Rows of the lm_head's matmul whose arithmetic costs about what reading the head once does (at the
 # Qwen3.6 shape, bf16 on 2 CPU cores: 83 ms for 1 row, 88 for 8, 109 for 16, 151 for 32; GPUs balance higher).
@@ -76,8 +83,11 @@ class ReplayResult:
     starts: list[int] = field(default_factory=list)
     acceptance_lengths: list[int] = field(default_factory=list)
     rejected_drafts: list[int] = field(default_factory=list)
-    all_positions: list[int] | None = None
-    position_hits: list[tuple[int, int]] | None = None
+    all_positions: list[int] | list[float] | None = None
+    position_hits: list[tuple[int, int]] | list[tuple[float, int]] | None = None
+    # drafts sampled (dflash_core.sampled_drafts): the steps in expectation over the acceptance coins; the steps
+    # above are then one draw of the coins, and all_positions and position_hits expectations
+    expected: ExpectedSteps | None = None
 
 
 class BlockScorer:
@@ -184,6 +194,31 @@ class BlockScorer:
         rejected = torch.where(compared, drafts.gather(1, first).squeeze(1), torch.full_like(accepted, -1))
         return steps.tolist(), rejected.tolist(), hits.tolist()
 
+    @torch.no_grad()
+    def acceptance_probabilities(self, blocks: Sequence[tuple[int, int]], q: Sampling,
+                                 target_probabilities: Sequence[torch.Tensor], every_position: bool = False) -> torch.Tensor:
+        """a[n, k - 1] = min(1, q(y) / p(y)) for draft position k of block n, y = R[start + k] (0 where R ends
+        before it): the probability that a sampled draft there was accepted given that y was emitted
+        (dflash_core.sampled_drafts). Unless every_position, a position after one whose a is 0 is not computed
+        (left 0): no path reaches it. [N, B-1], float64."""
+        truth = self._truth(blocks)
+        available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=truth.device)
+        hidden = self._hidden(blocks, truth)
+        a = torch.zeros(len(blocks), self.B - 1, dtype=torch.float64)
+        alive = torch.arange(len(blocks), device=truth.device)
+        for k in range(1, self.B):
+            alive = alive[available[alive] >= k]
+            if len(alive) == 0:
+                break
+            q_of_y = q.probability_of(self.drafter.logits(hidden[alive, k], self.head), truth[alive, k])
+            p_of_y = torch.tensor([float(target_probabilities[blocks[n][0]][blocks[n][1] + k]) for n in alive.tolist()],
+                                  dtype=torch.float64)
+            a_k = acceptance(q_of_y.double().cpu(), p_of_y)
+            a[alive.cpu(), k - 1] = a_k
+            if not every_position:
+                alive = alive[(a_k > 0).to(alive.device)]
+        return a
+
     def _accept(self, hidden: torch.Tensor, truth: torch.Tensor,
                 available: torch.Tensor) -> tuple[list[int], list[int]]:
         """Acceptance length and rejected draft of each block from the drafter's hidden states [N, B, H]."""
@@ -230,8 +265,10 @@ def replay(
     max_blocks: int = 64,
     max_context_tokens: int = 1 << 18,
     progress: Callable[[int], None] | None = None,
+    sampled: SampledDrafts | None = None,
 ) -> list[ReplayResult]:
-    """Replay greedy speculative decoding of `drafter` over references with cached target features.
+    """Replay speculative decoding of `drafter` over references with cached target features: greedy drafts, or
+    with `sampled`, drafts sampled from q and accepted by rejection sampling (dflash_core.sampled_drafts).
 
     features[i]: [K, T_i, H] target features of reference i (K layers in drafter.target_layer_ids order);
     any iterable, consumed once, in order: a generator that reads them one by one holds one at a time.
@@ -239,7 +276,11 @@ def replay(
     draft position over them (the head at every position: the costliest mode); the decode steps then follow
     from it at no extra cost. block_size: draft blocks of b <= the drafter's block size, as a server verifying b
     tokens per step runs it (the drafter sees b positions; default its own block size). Batches hold at most max_blocks blocks and max_context_tokens padded context
-    positions (memory). progress(n) is called with the number of blocks scored so far.
+    positions (memory). progress(n) is called with the number of blocks scored so far. sampled: every start
+    position is scored (any may start a step on some draw of the coins): each result holds the steps in
+    expectation (`expected`) and one draw of the coins (starts, acceptance_lengths; rejected_drafts -1: a sampled
+    draft is not known); all_positions then holds each start's expected acceptance length, position_hits the
+    expected accepted drafts per position.
     """
     scorer = BlockScorer(drafter, embed_weight, head_weight, references, features, block_size)
     results = [ReplayResult() for _ in references]
@@ -255,18 +296,42 @@ def replay(
             while (i + n < len(blocks) and n < max_blocks
                    and (n + 1) * max(p for _, p in blocks[i:i + n + 1]) <= max_context_tokens):
                 n += 1
-            if every_position:
+            if sampled is not None:  # acceptance probabilities, rows [B-1]
+                out[2].extend(scorer.acceptance_probabilities(blocks[i:i + n], sampled.q, sampled.target_probabilities,
+                                                              every_position).numpy())
+            elif every_position:
                 steps, rejected, hits = scorer.score_every_position(blocks[i:i + n])
+                out[0].extend(steps)
+                out[1].extend(rejected)
                 out[2].extend(hits)
             else:
                 steps, rejected = scorer.score(blocks[i:i + n])
-            out[0].extend(steps)
-            out[1].extend(rejected)
+                out[0].extend(steps)
+                out[1].extend(rejected)
             i += n
             done += n
             if progress:
                 progress(done)
         return out
+
+    if sampled is not None:
+        blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, ref.end - 1)]
+        rows = run(blocks, every_position=all_positions)[2]
+        first_row = 0
+        for s, ref in enumerate(references):
+            res, length = results[s], len(ref.token_ids)
+            a = np.array(rows[first_row:first_row + ref.end - 1 - ref.prompt_len]).reshape(-1, scorer.B - 1)
+            first_row += ref.end - 1 - ref.prompt_len
+            res.expected = expected_steps(a, ref.prompt_len, ref.end, length, scorer.B)
+            res.starts, res.acceptance_lengths = coin_steps(a, ref.prompt_len, ref.end, length, scorer.B,
+                                                            sampled.seeds[s])
+            res.rejected_drafts = [-1] * len(res.starts)
+            if all_positions:
+                available = length - 1 - np.arange(ref.prompt_len, ref.end - 1)
+                res.all_positions = [sum(step * p for step, p in step_distribution(row, int(left), scorer.B))
+                                     for row, left in zip(a, available)]
+                res.position_hits = [(float(a[:, k].sum()), int((available > k).sum())) for k in range(scorer.B - 1)]
+        return results
 
     if all_positions:
         blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, ref.end - 1)]

@@ -10,7 +10,8 @@ The distribution, in SGLang's order (transformers' logits processors give the sa
 
 each step renormalising what it keeps. Temperature 0 is greedy: the most likely token, always.
 
-Every DFlash stack drafts the drafter's argmax, also at temperature > 0, and verifies by one of:
+With greedy drafts (SGLang, vLLM's default draft_sample_method "greedy", z-lab's paper-era benchmark) a stack
+drafts the drafter's argmax, also at temperature > 0, and verifies by one of:
 
 - "match" (z-lab `dflash_generate`): the target samples a token at every block position; a draft is
   accepted while it equals the target's sample; the target's sample at the first mismatch is emitted.
@@ -21,10 +22,13 @@ Every DFlash stack drafts the drafter's argmax, also at temperature > 0, and ver
 Both emit samples of the target's own distribution (lossless), and under both a draft is accepted iff it
 equals the token emitted at its position. So the offline replay over the tokens an online loop emitted
 gives exactly that loop's acceptance lengths, at any temperature.
+
+With sampled drafts (dflash 0.1.0, vLLM's "probabilistic") each draft is drawn from the drafter's q and accepted
+by rejection sampling (`verify_sampled_block`); the replay's rule for them is in dflash_core.sampled_drafts.
 """
 
 import hashlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Literal
 
 import torch
@@ -102,6 +106,29 @@ class Sampling:
             p = p / p.sum(-1, keepdim=True)
         return p
 
+    def probability_of(self, logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """probabilities(logits) [..., V] at `tokens` [...]: each token's probability as served, float32 [...]. With
+        top-k only the k candidates are normalised and sorted (the whole vocabulary only where a tie at the k-th
+        logit keeps more than k, as probabilities() keeps them)."""
+        if self.greedy:
+            return (logits.argmax(-1) == tokens).float()
+        scores = logits.float() / self.temperature
+        if not self.top_k or self.top_k >= scores.shape[-1]:
+            return self.probabilities(logits).gather(-1, tokens[..., None])[..., 0]
+        values, candidates = scores.topk(self.top_k, dim=-1)  # sorted, most likely first
+        if bool(((scores == values[..., -1:]).sum(-1) > 1).any()):
+            return self.probabilities(logits).gather(-1, tokens[..., None])[..., 0]
+        p = values.softmax(-1)
+        if self.top_p < 1:
+            drop = p.cumsum(-1) - p >= self.top_p  # mass of the more likely candidates
+            drop[..., 0] = False
+            p = p.masked_fill(drop, 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        if self.min_p:
+            p = p.masked_fill(p < self.min_p * p[..., :1], 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        return (p * (candidates == tokens[..., None])).sum(-1)
+
     def sample(self, logits: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """One token per row of logits [..., V] ([...] long): the argmax when greedy, else a draw."""
         if self.greedy:
@@ -115,25 +142,40 @@ GREEDY = Sampling()
 @dataclass(frozen=True)
 class Served:
     """How the target is served, which is what a tau answers for: the sampling of its completions, how many per
-    prompt and their seed, and the tokens it verifies per step. One value with one label, which results, series,
-    run names and tags all read."""
+    prompt and their seed, the tokens it verifies per step, and how the drafts are drawn. One value with one label,
+    which results, series, run names and tags all read."""
 
     sampling: Sampling = GREEDY
     samples: int = 1  # completions per prompt
-    seed: int = 0  # of the sampled completions
+    seed: int = 0  # of the sampled completions (and of the acceptance coins of sampled drafts)
     block_size: int | None = None  # tokens verified per step when not the drafter's own block size; None: its own
     given: bool = False  # the completions were given (a file), not generated: how they were sampled is not known
+    # "greedy": the drafter's argmax, accepted iff emitted (SGLang, vLLM's default); "probabilistic": sampled from
+    # the drafter's q and accepted by rejection sampling (dflash 0.1.0, vLLM's draft_sample_method="probabilistic")
+    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    draft_truncation: bool = True  # probabilistic: q gets the served top-k, top-p and min-p too (else T alone)
+
+    @property
+    def draft_q(self) -> "Sampling | None":
+        """How the drafter's logits become q when drafts are sampled (None: greedy drafts)."""
+        if self.draft_sample_method == "greedy":
+            return None
+        return self.sampling if self.draft_truncation else Sampling(self.sampling.temperature)
 
     @property
     def label(self) -> str:
-        """"greedy", "T=0.6 top-k 20, 8 samples per prompt, seed 0", "given completions", then ", blocks of 4"
-        when a block size is chosen."""
+        """"greedy", "T=0.6 top-k 20, 8 samples per prompt, seed 0", "given completions", then ", sampled drafts"
+        (with " (q at the temperature only)" where that differs) when drafts are sampled, then ", blocks of 4" when a
+        block size is chosen."""
         if self.given:
             made = "given completions"
         elif self.sampling.greedy:
             made = "greedy"
         else:
             made = f"{self.sampling.describe()}, {self.samples} samples per prompt, seed {self.seed}"
+        q = self.draft_q
+        if q is not None:
+            made += ", sampled drafts" + ("" if q == self.sampling else " (q at the temperature only)")
         return made + (f", blocks of {self.block_size}" if self.block_size else "")
 
     @property
@@ -148,6 +190,8 @@ class Served:
             tags.append("references:given")
         elif not self.sampling.greedy:
             tags += [f"sampling:{self.sampling.describe()}", f"samples:{self.samples}"]
+        if self.draft_sample_method != "greedy":
+            tags.append(f"drafts:{self.draft_sample_method}")
         if self.block_size:
             tags.append(f"block-size:{self.block_size}")
         return tags
@@ -156,15 +200,20 @@ class Served:
         """What results hold of it: the label, then every value."""
         return {"label": self.label, "references": "given" if self.given else "greedy" if self.sampling.greedy
                 else "sampled", **asdict(self.sampling), "samples": self.samples, "seed": self.seed,
-                "block_size": self.block_size}
+                "block_size": self.block_size, "draft_sample_method": self.draft_sample_method,
+                "draft_truncation": self.draft_truncation}
 
     @classmethod
-    def from_record(cls, sampling: dict | None, given: bool = False, block_size: int | None = None) -> "Served":
+    def from_record(cls, sampling: dict | None, given: bool = False, block_size: int | None = None,
+                    draft_sampling: dict | None = None) -> "Served":
         """The served setting a references record's `sampling` (None: greedy), whether its completions were given,
-        and a drafts record's chosen block size describe."""
-        if sampling is None:
-            return cls(given=given, block_size=block_size)
-        return cls(Sampling.from_identity(sampling), sampling["samples"], sampling["seed"], block_size, given)
+        and a drafts record's chosen block size and draft sampling (None: greedy drafts) describe."""
+        served = cls(given=given, block_size=block_size) if sampling is None else cls(
+            Sampling.from_identity(sampling), sampling["samples"], sampling["seed"], block_size, given)
+        if draft_sampling is None:
+            return served
+        return replace(served, draft_sample_method="probabilistic",
+                       draft_truncation=draft_sampling["q"] == served.sampling.identity())
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -196,6 +245,22 @@ def verify_block(drafts: list[int], logits: torch.Tensor, sampling: Sampling, ru
         residual = probs[j].clone()
         residual[d] = 0.0  # p without the rejected draft (draw renormalises)
         return drafts[:j] + [int(draw(residual, generator))]
+    return drafts + [int(draw(probs[len(drafts)], generator))]
+
+
+def verify_sampled_block(drafts: list[int], draft_probs: torch.Tensor, logits: torch.Tensor, sampling: Sampling,
+                         generator: torch.Generator | None) -> list[int]:
+    """What one speculative step emits when the drafts were sampled from the drafter's q (dflash 0.1.0's and vLLM's
+    probabilistic drafting): draft j is accepted while u * q_j(d) < p_j(d), u ~ U(0, 1); at the first rejection the
+    token is drawn from normalise((p_j - q_j)+) (from p_j should that hold no mass), and with every draft accepted
+    the bonus from the next p. draft_probs [B-1, V]: q at each draft position; logits [B, V] as verify_block's."""
+    probs = sampling.probabilities(logits)
+    for j, d in enumerate(drafts):
+        u = torch.rand((), generator=generator, device=probs.device)
+        if u * draft_probs[j, d] < probs[j, d]:
+            continue
+        residual = (probs[j] - draft_probs[j]).clamp_min(0.0)
+        return drafts[:j] + [int(draw(residual if residual.sum() > 0 else probs[j], generator))]
     return drafts + [int(draw(probs[len(drafts)], generator))]
 
 

@@ -165,7 +165,8 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
         raise InputError(str(e)) from None
     served = Served(Sampling(serving.temperature, serving.top_k, serving.top_p, serving.min_p), serving.samples,
                     serving.seed, chosen_block_size(serving.block_size, drafter.block_size),
-                    given=inputs.references is not None)
+                    given=inputs.references is not None, draft_sample_method=serving.draft_sample_method,
+                    draft_truncation=serving.draft_truncation)
     return CheckedEvaluation(
         evaluation=evaluation, store_location=Store(evaluation.output.store).location, dtype=dtype,
         target_name=inputs.target_name or model_name(target), served=served,

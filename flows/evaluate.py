@@ -37,6 +37,7 @@ from dflash_eval.reporting.artifacts import publish
 from dflash_eval.reporting.history import find_group, history, series_key, source_name
 from dflash_eval.reporting.tracker import track
 from dflash_eval.storage import Store
+from dflash_eval.storage.feature_store import TARGET_PROBS
 from dflash_eval.tasks.baselines import mark_baseline
 from dflash_eval.tasks.diagnostics import diagnose, layers_needed
 from dflash_eval.tasks.drafts import draft
@@ -69,7 +70,8 @@ def evaluate(checked: CheckedEvaluation):
     waits = {"relay_token_file": checkpoints.relay_token_file, "wait_seconds": checkpoints.checkpoint_wait,
              "settle_seconds": checkpoints.settle_seconds}
     replays = {"sliding_semantics": scoring.sliding_semantics, "all_positions": scoring.all_positions,
-               "replay_group": compute.replay_group, "dask_address": compute.dask_address, **on_device}
+               "replay_group": compute.replay_group, "dask_address": compute.dask_address,
+               "draft_sampling": checked.served.draft_q, "seed": checked.served.seed, **on_device}
     checkpoint = baseline = refs = features = drafts = scores = None
     if checked.runs("fetch"):
         checkpoint = runs.add("fetch", fetch_checkpoint(
@@ -118,7 +120,8 @@ def evaluate(checked: CheckedEvaluation):
     found_row = find_group(groups, results["keys"]["scores"])
     results["series"] = ({"key": found_row[0].series, "title": found_row[0].title} if found_row is not None else
                          {"key": series_key(opened, results["keys"]["features"], results["sliding_semantics"],
-                                            checked.served.block_size, checked.target_name, inputs.prompt_set),
+                                            checked.served.block_size, results.get("draft_sampling"),
+                                            checked.target_name, inputs.prompt_set),
                           "title": None})
     sides: dict[int, list] = {}
     if found_row is not None and found_row[1].step is not None:
@@ -145,6 +148,8 @@ def feature_layers(checked: CheckedEvaluation, checkpoint, baseline) -> tuple[in
         wanted |= set(layers_needed(own, checked.num_target_layers))
     if baseline is not None:
         wanted |= set(baseline.config.target_layer_ids)
+    if checked.served.draft_q is not None:  # sampled drafts' acceptance needs the target's probabilities
+        wanted.add(TARGET_PROBS)
     return tuple(sorted(wanted))
 
 

@@ -132,6 +132,14 @@ class Serving(Group):
     block_size: int | None = Field(None, ge=2, description=(
         "Verify blocks of this many tokens (2 .. the drafter's block size), as SGLang's "
         "--speculative-num-draft-tokens and vLLM's num_speculative_tokens + 1 serve it (default: the drafter's)."))
+    draft_sample_method: Literal["greedy", "probabilistic"] = Field("greedy", description=(
+        "How drafts are drawn, as vLLM names it: greedy (the drafter's argmax, accepted where the target emits it: "
+        "SGLang, vLLM's default, z-lab's paper-era benchmark) or probabilistic (sampled from the drafter's "
+        "distribution q and accepted by rejection sampling: z-lab's dflash 0.1.0 benchmark, vLLM's "
+        "draft_sample_method=probabilistic); probabilistic needs a temperature above 0."))
+    draft_truncation: bool = Field(True, description=(
+        "Probabilistic drafts: q gets the served top-k, top-p and min-p after the temperature, as the target's p "
+        "does (dflash 0.1.0); off, the temperature only (vLLM's probabilistic drafts)."))
 
     @model_validator(mode="after")
     def _greedy_is_greedy(self) -> Self:
@@ -141,6 +149,11 @@ class Serving(Group):
         if self.temperature == 0 and self.samples != 1:
             raise ValueError("{samples} " f"{self.samples}: greedy completions (temperature 0) are all the same; set "
                              "{temperature} above 0 to sample several per prompt")
+        if self.temperature == 0 and self.draft_sample_method == "probabilistic":
+            raise ValueError("{draft_sample_method} probabilistic samples drafts at the served temperature: at "
+                             "temperature 0 a draft is the drafter's argmax (greedy); set {temperature} above 0")
+        if not self.draft_truncation and self.draft_sample_method == "greedy":
+            raise ValueError("{draft_truncation} applies to probabilistic drafts: a greedy draft is the argmax")
         return self
 
 

@@ -18,6 +18,7 @@ next run recomputes it), and so is a stale one (its drafts were recomputed with 
 the next run scores them again); one whose drafts or checkpoint entry is gone is skipped silently.
 """
 
+import json
 import re
 import warnings
 from dataclasses import dataclass, field, replace
@@ -27,7 +28,7 @@ from pathlib import Path
 from dflash_core.checkpoint_files import model_name
 from dflash_core.metrics import paired_difference_interval
 from dflash_core.sampling import Served
-from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, key_of, read_json
+from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, canonical_json, key_of, read_json
 from dflash_eval.storage.integrity import StaleEntryWarning, stale_upstream
 from dflash_eval.storage.schema import (
     SCORES_FILE,
@@ -85,6 +86,7 @@ class Group:
     features: str  # features key (target + references)
     sliding_semantics: str
     chosen_block_size: int | None  # --block-size; None: each drafter's own
+    draft_sampling: str | None  # sampled drafts: the drafts record's draft_sampling as canonical JSON; None: greedy
     title: str  # "<target> on <prompts>, ...", for people
     sweep_title: str  # the title without the block size: the same for every block size of one sweep
     setting: str  # how the target is served: dflash_core.sampling.Served's label ("greedy, blocks of 4", ...)
@@ -116,7 +118,7 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
         else:
             problems.append(message)
 
-    groups: dict[tuple[str, str, int | None], Group] = {}
+    groups: dict[tuple[str, str, int | None, str | None], Group] = {}
     for key in store.keys(Stage.SCORES):
         try:
             entry = store.read_entry(Stage.SCORES, key, discard_damaged=False)  # verifies scores.json
@@ -142,7 +144,8 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
             left_out(f"scores/{key} left out: stale, built on {', '.join(changed)}, whose content has changed "
                      "since; the next evaluation of that checkpoint scores it again", StaleEntryWarning)
             continue
-        group_key = (drafts.features, drafts.sliding_semantics, drafts.chosen_block_size)
+        sampled = None if drafts.draft_sampling is None else canonical_json(drafts.draft_sampling)
+        group_key = (drafts.features, drafts.sliding_semantics, drafts.chosen_block_size, sampled)
         if group_key not in groups:
             groups[group_key] = Group(*group_key, *_describe(store, *group_key))
         rows = groups[group_key].rows
@@ -222,19 +225,24 @@ def find_group(groups: list[Group], scores_key: str) -> tuple[Group, HistoryRow]
 
 
 def series_key(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None,
-               target: str, prompts: str) -> str:
+               draft_sampling: dict | str | None, target: str, prompts: str) -> str:
     """A series' key in Prefect: `<target>-<prompts>-<8 hex>`, lowercase letters, digits and dashes (an artifact
     key's alphabet). The hex digits are what makes its taus comparable: the store, the features entry (the
     target's content and the references': prompts, max new tokens, thinking, backend, sampling), the
-    sliding-layer semantics and the chosen block size; the names only make it readable."""
+    sliding-layer semantics, the chosen block size and how drafts are sampled (draft_sampling, the drafts
+    record's, or its canonical JSON; None: greedy drafts); the names only make it readable."""
+    if isinstance(draft_sampling, str):
+        draft_sampling = json.loads(draft_sampling)
     identity = key_of({"store": store.location, "features": features_key, "sliding_semantics": sliding_semantics,
-                       "block_size": chosen_block_size})[:8]
+                       "block_size": chosen_block_size,
+                       # only when sampled: the keys of greedy drafts' series stay as they were
+                       **({"draft_sampling": draft_sampling} if draft_sampling is not None else {})})[:8]
     name = re.sub(r"[^a-z0-9]+", "-", f"{target}-{Path(prompts).stem}".lower()).strip("-")[:40].strip("-")
     return f"{name or 'series'}-{identity}"
 
 
 def _describe(store: Store, features_key: str, sliding_semantics: str,
-              chosen_block_size: int | None) -> tuple[str, str, str, str]:
+              chosen_block_size: int | None, draft_sampling: str | None) -> tuple[str, str, str, str]:
     """A group's (title, sweep title, setting, series key): the title for people, that title without the block
     size, how the target is served (dflash_core.sampling.Served's label), its key in Prefect."""
     try:
@@ -244,21 +252,24 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
         references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
                                                                     verify=False, discard_damaged=False))
     except (EntryMissing, KeyError):
-        served = Served(block_size=chosen_block_size)
+        served = Served.from_record(None, block_size=chosen_block_size,
+                                    draft_sampling=None if draft_sampling is None else json.loads(draft_sampling))
         blocks = "" if served.default else f", {served.label}"
         title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
         return (title + blocks, title, f"features {features_key[:12]}" + blocks,
-                series_key(store, features_key, sliding_semantics, chosen_block_size, "features", features_key[:12]))
+                series_key(store, features_key, sliding_semantics, chosen_block_size, draft_sampling, "features",
+                           features_key[:12]))
     target = references.target_name or model_name(references.target or "target")  # older entries: from the path
     prompts = Path(references.prompts).name or "prompts"
     given = references.backend.get("kind") == "given"
-    served = Served.from_record(references.sampling, given, chosen_block_size)
-    swept = Served.from_record(references.sampling, given)  # the same without the block size
+    drafts = None if draft_sampling is None else json.loads(draft_sampling)
+    served = Served.from_record(references.sampling, given, chosen_block_size, drafts)
+    swept = Served.from_record(references.sampling, given, draft_sampling=drafts)  # the same without the block size
     title = f"{target} on {prompts}, {references.max_new_tokens} new tokens"
     semantics = f" ({sliding_semantics} sliding layers)"
     return (title + ("" if served.default else f", {served.label}") + semantics,
             title + ("" if swept.default else f", {swept.label}") + semantics, served.label,
-            series_key(store, features_key, sliding_semantics, chosen_block_size, target, prompts))
+            series_key(store, features_key, sliding_semantics, chosen_block_size, draft_sampling, target, prompts))
 
 
 def source_name(source: str) -> str:

@@ -9,6 +9,9 @@ Layout inside a features entry (`<entry>/features.zarr`)::
         seq_<n>/                    n = index of the sequence in the references
           zarr.json                 array [T_n, H]; attributes hold the completion marker
           c/<r>/0                   chunks of rows, uncompressed
+      target_probs/seq_<n>/         the target's probability of each token of sequence n after the ones before
+                                    it, processed as the references were sampled: [T_n, 1] float32 (layer id
+                                    TARGET_PROBS; kept as one more layer, so every rule of the layers holds for it)
 
 Why this shape (measured: docs/design.md, "Feature storage"): one array per sequence was the fastest
 layout and the only one safe with several writers, since each writer touches
@@ -67,6 +70,9 @@ _DEFAULT_CHUNK_KEYS = {"name": "default", "configuration": {"separator": "/"}}
 
 _STORED_DTYPE: dict[str, np.dtype[Any]] = {"bfloat16": np.dtype(np.uint16), "float32": np.dtype(np.float32)}
 
+# The "layer id" of the target's probabilities of the reference tokens (sampled drafts' acceptance needs them).
+TARGET_PROBS = -1
+
 
 class FeatureMissing(LookupError):
     """The hidden states of one (layer id, sequence) are absent, incomplete or corrupt: extract them."""
@@ -84,8 +90,11 @@ def _check_index(name: str, value: int) -> int:
     return int(value)
 
 
-def _array_path(layer_id: int, seq_index: int) -> str:
-    return f"layer_{_check_index('layer_id', layer_id)}/seq_{_check_index('seq_index', seq_index)}"
+def array_name(layer_id: int, seq_index: int) -> str:
+    """The array's path in features.zarr, how messages name it: `layer_3/seq_0`, `target_probs/seq_0`."""
+    folder = "target_probs" if layer_id == TARGET_PROBS else f"layer_{_check_index('layer_id', layer_id)}"
+    return f"{folder}/seq_{_check_index('seq_index', seq_index)}"
+
 
 
 def _to_stored(hidden: torch.Tensor | np.ndarray) -> tuple[np.ndarray, str]:
@@ -245,9 +254,9 @@ class FeatureStore:
         bfloat16 (torch) is stored bit-exact as uint16; float32 (torch or numpy) as float32.
         The completion marker is written last, after every chunk.
         """
-        path = _array_path(layer_id, seq_index)
+        path = array_name(layer_id, seq_index)
         stored, tag = _to_stored(hidden)
-        layer_group = self._require_group(f"layer_{int(layer_id)}")
+        layer_group = self._require_group(path.split("/")[0])
         self._clear_marker(path)
         n_rows, width = stored.shape
         array = layer_group.create_array(
@@ -312,7 +321,7 @@ class FeatureStore:
         checks every (layer, sequence) of an entry on every run. The identity (inode and mtime, or
         e_tag) changes whenever the metadata is rewritten, which every writer does before touching chunks.
         """
-        path = _array_path(layer_id, seq_index)
+        path = array_name(layer_id, seq_index)
         try:
             raw, identity = self._files.read(f"{path}/zarr.json")
             metadata = json.loads(raw)
@@ -345,7 +354,7 @@ class FeatureStore:
         """The array's values, read from its chunk files straight into the result when the layout
         is the one `write` produces (uncompressed little-endian row chunks): 4-5x faster than zarr's
         codec pipeline. Any other layout is read through zarr."""
-        path = _array_path(layer_id, seq_index)
+        path = array_name(layer_id, seq_index)
         shape, dtype = metadata["shape"], np.dtype(metadata["data_type"])
         chunk_rows, chunk_width = metadata["chunk_grid"]["configuration"]["chunk_shape"]
         if not (
@@ -379,7 +388,7 @@ class FeatureStore:
                 and chunk_width == shape[1]):
             return  # another layout: its chunks are checked when read
         row_bytes = shape[1] * np.dtype(metadata["data_type"]).itemsize
-        chunks = f"{_array_path(layer_id, seq_index)}/c"
+        chunks = f"{array_name(layer_id, seq_index)}/c"
         for i, first in enumerate(range(0, shape[0], chunk_rows)):
             expected = min(chunk_rows, shape[0] - first) * row_bytes
             size = self._files.size(f"{chunks}/{i}/0")
@@ -410,22 +419,22 @@ class FeatureStore:
         for layer_id in layer_ids:
             for seq_index in range(n_sequences):
                 _, marker, _ = self._read_marker(layer_id, seq_index)
-                digests[_array_path(layer_id, seq_index)] = marker.get("sha256")
+                digests[array_name(layer_id, seq_index)] = marker.get("sha256")
         return key_of(digests)
 
     def arrays(self) -> list[tuple[int, int]]:
         """(layer id, sequence index) of every array folder present, complete or not (sorted)."""
         found = []
         for folder in self._files.array_folders():
-            match = re.fullmatch(r"layer_(\d+)/seq_(\d+)", folder)
+            match = re.fullmatch(r"(?:layer_(\d+)|target_probs)/seq_(\d+)", folder)
             if match:
-                found.append((int(match.group(1)), int(match.group(2))))
+                found.append((TARGET_PROBS if match.group(1) is None else int(match.group(1)), int(match.group(2))))
         return sorted(found)
 
     def discard(self, layer_id: int, seq_index: int) -> None:
         """Delete the array of (layer, sequence), marker first, so that `missing` lists it again and the
         features stage extracts it again."""
-        path = _array_path(layer_id, seq_index)
+        path = array_name(layer_id, seq_index)
         self._clear_marker(path)
         self._files.delete_tree(path)
 

@@ -19,7 +19,7 @@ recomputes exactly that.
 
 from dataclasses import dataclass, field
 
-from .feature_store import FeatureMissing
+from .feature_store import FeatureMissing, array_name
 from .schema import Stage
 from .store import Damage, Entry, EntryMissing, LockTimeout, Store, changed_upstream
 
@@ -117,7 +117,7 @@ def check_entry(store: Store, stage: str, key: str) -> tuple[list[Problem], int]
             try:
                 features.read_layer(layer, seq, verify=True)
             except FeatureMissing as e:
-                problems.append(Problem(stage, key, "damaged array", f"layer_{layer}/seq_{seq}", e.reason,
+                problems.append(Problem(stage, key, "damaged array", array_name(layer, seq), e.reason,
                                         array=(layer, seq)))
     for label in stale_upstream(store, entry):
         problems.append(Problem(stage, key, "stale", label, "built on content that has changed since: "

@@ -106,7 +106,8 @@ class ReferencesRecord(_Record):
 class FeaturesRecord(_Record):
     """Target hidden states of a reference set (tasks/features.py), in features.zarr."""
 
-    layer_ids: tuple[int, ...]  # every layer the entry holds, sorted
+    # every layer the entry holds, sorted; -1 (feature_store.TARGET_PROBS): the target's probabilities of the tokens
+    layer_ids: tuple[int, ...]
     n: int  # sequences (references)
     references: str  # the references key
     dtype: str
@@ -126,6 +127,9 @@ class DraftsRecord(_Record):
     layer_ids: tuple[int, ...]  # the target layers the drafter reads
     # --block-size: the tokens verified per step when not the drafter's own block size; None: its own
     chosen_block_size: int | None = _written_when_set()
+    # sampled drafts (dflash_core.sampled_drafts): {"q": how the drafter's logits became q (Sampling.identity()),
+    # "seed": of the acceptance coins}; None: greedy drafts
+    draft_sampling: dict[str, Any] | None = _written_when_set()
     # drafted on a Dask cluster (--dask): per shard (one replay group), its prompts [start, stop) and the
     # worker that drafted it (tasks/cluster.py); None when drafted in the flow's own process
     shards: tuple[dict[str, Any], ...] | None = _written_when_set()

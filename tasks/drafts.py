@@ -14,7 +14,7 @@ order into a drafts.json byte for byte the one a single process writes.
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,11 @@ from dflash_core.choices import DEFAULT_REPLAY_GROUP
 from dflash_core.drafter import DFlashDrafter, load_drafter
 from dflash_core.drafter_config import check_compatible
 from dflash_core.replay import replay
+from dflash_core.sampled_drafts import SampledDrafts, coin_seed
+from dflash_core.sampling import Sampling
 from dflash_core.token_head import load_token_head
 from dflash_eval.storage import EntryMissing, Store, key_of, read_json, write_json_atomic
+from dflash_eval.storage.feature_store import TARGET_PROBS
 from dflash_eval.storage.integrity import entry_label, features_label, upstream_digests
 from dflash_eval.storage.schema import DRAFT_SHARD_FILE, DRAFTS_FILE, DraftShardRecord, DraftsRecord, Stage
 
@@ -56,6 +59,7 @@ class Drafts:
     block_size: int
     sliding_semantics: str
     shards: tuple[dict[str, Any], ...] | None = None  # DraftsRecord.shards: who drafted them on a cluster
+    draft_sampling: dict[str, Any] | None = None  # DraftsRecord.draft_sampling: None, greedy drafts
 
 
 def replay_groups(n: int, group_size: int = PROMPTS_PER_GROUP) -> list[tuple[int, int]]:
@@ -64,10 +68,12 @@ def replay_groups(n: int, group_size: int = PROMPTS_PER_GROUP) -> list[tuple[int
 
 
 def per_prompt_items(items, results) -> list[dict]:
-    """drafts.json's `per_prompt` items of these references (ReferenceItem) and their ReplayResults."""
+    """drafts.json's `per_prompt` items of these references (ReferenceItem) and their ReplayResults: with sampled
+    drafts, `expected` holds the steps in expectation over the acceptance coins, and the steps one draw of them."""
     return [{"id": i.id, "starts": r.starts, "acceptance_lengths": r.acceptance_lengths,
              "rejected_drafts": r.rejected_drafts, "all_positions": r.all_positions,
-             **({"position_hits": r.position_hits} if r.position_hits is not None else {})}
+             **({"position_hits": r.position_hits} if r.position_hits is not None else {}),
+             **({"expected": asdict(r.expected)} if r.expected is not None else {})}
             for i, r in zip(items, results)]
 
 
@@ -86,19 +92,25 @@ def draft(
     replay_group: int = PROMPTS_PER_GROUP,
     dask_address: str | None = None,
     block_size: int | None = None,
+    draft_sampling: Sampling | None = None,
+    seed: int = 0,
 ):
     """Acceptance lengths per prompt, in decode order (drafted against the references, no target run);
     all_positions: also the acceptance length of a block at every position (dflash_core.replay);
     block_size: the block size chosen (dflash_core.drafter_config.chosen_block_size, by the input checks): verify
     blocks of this many tokens, fewer than the drafter's own; None: its own (one history series each).
     replay_group: prompts replayed together (see the module docstring); dask_address: draft each group on
-    a worker of that Dask cluster (`target_dir` must be the same path on every worker)."""
+    a worker of that Dask cluster (`target_dir` must be the same path on every worker). draft_sampling: drafts
+    sampled from the drafter's logits processed so (q) and accepted by rejection sampling against the target's
+    probabilities, which `features` must hold (TARGET_PROBS); the acceptance coins of each reference follow from
+    `seed` and its id (dflash_core.sampled_drafts). None: greedy drafts."""
     store = Store(store_location)
     config = checkpoint.config
     if block_size is not None and not 2 <= block_size < config.block_size:
         raise ValueError(f"block size {block_size} is not one chosen for a drafter of block size {config.block_size}: "
                          "give chosen_block_size(requested, own) (None: its own block size)")
     chosen, block_size = block_size, block_size or config.block_size
+    sampled = None if draft_sampling is None else {"q": draft_sampling.identity(), "seed": seed}
     key = key_of({
         "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
         "block_size": block_size, "sliding_semantics": sliding_semantics,
@@ -106,11 +118,13 @@ def draft(
         "dtype": dtype, "device": torch.device(device).type, "replay": REPLAY_VERSION,
         # only when not the default: the keys of entries drafted before it was a setting stay as they were
         **({"replay_group": replay_group} if replay_group != PROMPTS_PER_GROUP else {}),
+        **({"sampled_drafts": sampled} if sampled else {}),  # only then: greedy drafts' keys stay as they were
     })
+    read_layers = (*config.target_layer_ids, *((TARGET_PROBS,) if sampled else ()))
     labels = [entry_label(Stage.FETCH, checkpoint.key), entry_label(Stage.REFERENCES, refs.key),
-              features_label(features.key, config.target_layer_ids, features.n)]
+              features_label(features.key, read_layers, features.n)]
     groups = replay_groups(refs.n, replay_group)
-    models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device, block_size)
+    models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device, block_size, draft_sampling, seed)
 
     def compute_on_cluster(entry: Path) -> dict:
         assert dask_address is not None  # chosen only with a cluster's address
@@ -120,7 +134,7 @@ def draft(
         write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
         return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=block_size,
                             sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids),
-                            chosen_block_size=chosen, shards=shards).to_record()
+                            chosen_block_size=chosen, draft_sampling=sampled, shards=shards).to_record()
 
     def compute(entry: Path) -> dict:
         verify_checkpoint(store, checkpoint)
@@ -135,7 +149,7 @@ def draft(
         write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
         return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=block_size,
                             sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids),
-                            chosen_block_size=chosen).to_record()
+                            chosen_block_size=chosen, draft_sampling=sampled).to_record()
 
     # on a cluster the workers compute: this process takes no heavy-stage slot
     outcome = get_or_compute(store, STAGE, key, compute_on_cluster if dask_address else heavy(compute),
@@ -144,14 +158,15 @@ def draft(
     if outcome.computed and dask_address:
         remove_draft_shards(store, key, groups)  # drafts.json holds them now
     drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record.block_size,
-                    sliding_semantics=record.sliding_semantics, shards=record.shards)
+                    sliding_semantics=record.sliding_semantics, shards=record.shards,
+                    draft_sampling=record.draft_sampling)
     return drafts if outcome.computed else cached(drafts)
 
 
 @dataclass(frozen=True)
 class ReplayModels:
-    """What a replay computes with: the fetched drafter and the target's embedding and lm_head, and the block
-    size it drafts."""
+    """What a replay computes with: the fetched drafter and the target's embedding and lm_head, the block
+    size it drafts, and how drafts are sampled (None: greedy)."""
 
     checkpoint: Checkpoint
     target_dir: str
@@ -159,6 +174,8 @@ class ReplayModels:
     dtype: str
     device: str
     block_size: int
+    draft_sampling: Sampling | None = None
+    seed: int = 0  # of the acceptance coins, with draft_sampling
 
     def drafter(self, checkpoint_dir: Path | None = None) -> DFlashDrafter:
         """The drafter, from `checkpoint_dir` (a worker's own copy of the fetch entry), else from the
@@ -194,8 +211,11 @@ def draft_group(models: ReplayModels, drafter: DFlashDrafter, embed: torch.Tenso
     # group's context keys/values; a group still fills replay's batches of 64 blocks
     group = range(start, stop)
     features = (f.to(embed.device) for f in reader.read_each(drafter.target_layer_ids, group))
+    sampled = None if models.draft_sampling is None else SampledDrafts(
+        models.draft_sampling, [reader.read_probabilities(n) for n in group],
+        [coin_seed(models.seed, items[n].id) for n in group])
     results = replay(drafter, embed, lm_head, [items[n].reference for n in group], features,
-                     all_positions=all_positions, block_size=models.block_size)
+                     all_positions=all_positions, block_size=models.block_size, sampled=sampled)
     return per_prompt_items(items[start:stop], results)
 
 

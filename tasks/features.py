@@ -29,9 +29,9 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
-from dflash_core.features import extract_features, length_sorted_batches
+from dflash_core.features import extract, length_sorted_batches
 from dflash_eval.storage import Store, key_of
-from dflash_eval.storage.feature_store import FEATURES_DIRNAME, FeatureMissing, FeatureStore
+from dflash_eval.storage.feature_store import FEATURES_DIRNAME, TARGET_PROBS, FeatureMissing, FeatureStore, array_name
 from dflash_eval.storage.integrity import entry_label, upstream_digests
 from dflash_eval.storage.schema import FeaturesRecord, Stage
 from dflash_eval.storage.store import Entry
@@ -77,7 +77,9 @@ def extract_target_features(
 ):
     """Extract the hidden states of `layer_ids` that the store does not hold yet (absent, incomplete,
     or with a lost or short chunk: each such array is named in the log); with `dask_address`, on the
-    workers of that Dask cluster (tasks/cluster.py: `target_dir` must be the same path on every worker)."""
+    workers of that Dask cluster (tasks/cluster.py: `target_dir` must be the same path on every worker).
+    TARGET_PROBS among `layer_ids`: also the target's probability of each reference token, processed as the
+    references were sampled, from the same pass (what sampled drafts' acceptance needs)."""
     store = Store(store_location)
     key = key_of({
         "target": target_key(target_dir, store), "references": refs.key, "dtype": dtype,
@@ -92,7 +94,7 @@ def extract_target_features(
         missing = feature_store.missing(layer_ids, refs.n)
         lost = [(layer, n) for layer, n in missing if layer in held]  # the committed entry said it held them
         if lost:
-            reasons = [f"layer_{layer}/seq_{n}: {feature_store.why_missing(layer, n) or 'absent'}"
+            reasons = [f"{array_name(layer, n)}: {feature_store.why_missing(layer, n) or 'absent'}"
                        for layer, n in lost[:5]]
             stage_logger().warning(f"{STAGE}/{key} is damaged: {len(lost)} arrays missing or damaged "
                                    f"({'; '.join(reasons)}{'; ...' if len(lost) > 5 else ''}): extracting them again")
@@ -101,7 +103,7 @@ def extract_target_features(
             shards = extract_on_cluster(dask_address, store, key, refs, target_dir, missing, dtype, device)
             if still_missing := feature_store.missing(layer_ids, refs.n):
                 raise RuntimeError(f"{STAGE}/{key}: the cluster's shards left {len(still_missing)} arrays unwritten "
-                                   f"(first: layer_{still_missing[0][0]}/seq_{still_missing[0][1]})")
+                                   f"(first: {array_name(*still_missing[0])})")
         elif missing:
             with heavy_stage():
                 extract_arrays(target_dir, refs, missing, feature_store, dtype, device)
@@ -145,6 +147,10 @@ class FeatureReader:
         self.feature_store = self.store.feature_store(features.key)
         self.repaired: list[tuple[int, int]] = []
 
+    def read_probabilities(self, seq_index: int) -> torch.Tensor:
+        """The target's probability of each token of one sequence [T] (TARGET_PROBS), verified."""
+        return self.read([TARGET_PROBS], seq_index)[0, :, 0]
+
     def read(self, layer_ids, seq_index: int) -> torch.Tensor:
         """The [K, T, H] hidden states of one sequence (FeatureStore.read), verified."""
         try:
@@ -182,7 +188,7 @@ class FeatureReader:
         """Extract the arrays `damaged` names ({(layer, sequence): reason}) again."""
         if not damaged:
             return
-        names = "; ".join(f"layer_{layer}/seq_{n}: {reason}" for (layer, n), reason in damaged.items())
+        names = "; ".join(f"{array_name(layer, n)}: {reason}" for (layer, n), reason in damaged.items())
         stage_logger().warning(f"{STAGE}/{self.features.key} is damaged ({names}): extracting these again")
         with self.store.lock(STAGE, self.features.key):
             todo = []
@@ -223,12 +229,16 @@ def extract_arrays(target_dir: str, refs: ReferenceSet, missing, feature_store: 
     shown = StageProgress(STAGE, "target hidden states", sum(len(b) for b in batches)) if progress else nullcontext()
     with shown as bar, compute_threads(work_per_op=parameter_count(target.model) * tokens_per_forward):
         for batch in batches:
-            layers = sorted(set().union(*(missing_by_seq.get(n, set()) for n in batch)))
-            out = extract_features(target, [sequences[n] for n in batch], layers, batch_size=len(batch))
-            for n, hidden in zip(batch, out):  # hidden [K, T, H]
+            wanted = set().union(*(missing_by_seq.get(n, set()) for n in batch))
+            layers = sorted(wanted - {TARGET_PROBS})
+            out = extract(target, [sequences[n] for n in batch], layers, batch_size=len(batch),
+                          probabilities=refs.sampling if TARGET_PROBS in wanted else None)
+            for n, extracted in zip(batch, out):  # features [K, T, H], probabilities [T]
                 for k, layer_id in enumerate(layers):
-                    if layer_id in missing_by_seq.get(n, ()):
-                        feature_store.write(layer_id, n, hidden[k])
+                    if layer_id in missing_by_seq.get(n, ()) and extracted.features is not None:
+                        feature_store.write(layer_id, n, extracted.features[k])
+                if TARGET_PROBS in missing_by_seq.get(n, ()) and extracted.probabilities is not None:
+                    feature_store.write(TARGET_PROBS, n, extracted.probabilities[:, None])
             done += len(batch)
             if bar is not None:
                 bar.update(done)

@@ -71,6 +71,7 @@ class ReferenceSet:
     n: int  # references (a multi-turn prompt has one per turn, each sample its own)
     lookahead: int  # greedy tokens kept past each completion's end
     samples: int = 1  # completions per prompt (1 when greedy)
+    sampling: Sampling = GREEDY  # how they were sampled (the target's probabilities of their tokens follow it)
 
 
 @dataclass(frozen=True)
@@ -311,7 +312,8 @@ def generate_references(
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
     record = ReferencesRecord.from_record(outcome.record)
     refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record.n_prompts, n=record.n,
-                        lookahead=record.lookahead, samples=(record.sampling or {}).get("samples", 1))
+                        lookahead=record.lookahead, samples=(record.sampling or {}).get("samples", 1),
+                        sampling=sampling)
     return refs if outcome.computed else cached(refs)
 
 

@@ -7,6 +7,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.metrics import PromptScore, all_positions_tau, summarize, teacher_forced_accuracy
+from dflash_core.sampled_drafts import ExpectedSteps
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, upstream_digests
 from dflash_eval.storage.schema import DRAFTS_FILE, SCORES_FILE, ScoresRecord, Stage
@@ -41,7 +42,7 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         items = load_references(refs)
         prompts = [
             PromptScore(item.id, item.category, d["acceptance_lengths"], d["starts"], len(item.reference.token_ids),
-                        item.prompt)
+                        item.prompt, ExpectedSteps(**d["expected"]) if "expected" in d else None)
             for item, d in zip(items, per_prompt)
         ]
         summary = summarize(prompts, drafts.block_size, lookahead=refs.lookahead > 0)
@@ -50,6 +51,8 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         if all(d.get("position_hits") is not None for d in per_prompt):  # all-positions drafts since they kept it
             summary["teacher_forced_accuracy"] = teacher_forced_accuracy([d["position_hits"] for d in per_prompt])
         summary["sliding_semantics"] = drafts.sliding_semantics
+        if drafts.draft_sampling is not None:  # (only then: greedy scores stay as they were)
+            summary["draft_sampling"] = drafts.draft_sampling
         # references a server gave only as text whose re-tokenisation did not round-trip
         summary["unverified_references"] = [item.id for item in items if not item.verified]
         write_json_atomic(entry / SCORES_FILE, summary, indent=1)

@@ -118,7 +118,7 @@ def test_unsupported_inputs_are_refused(raw):
     with pytest.raises(ValueError, match=r"\[T, H\]"):
         store.write(0, 0, torch.zeros(0, 2))
     with pytest.raises(ValueError, match="non-negative"):
-        store.write(-1, 0, torch.zeros(2, 2))
+        store.write(-2, 0, torch.zeros(2, 2))  # (-1 is TARGET_PROBS: the target's probabilities, not a layer)
 
 
 def test_read_stacks_layers_in_the_requested_order(raw):

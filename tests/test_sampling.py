@@ -25,9 +25,10 @@ from transformers.generation.logits_process import (
 
 from dflash_core.decoding import decode, greedy_decode, speculative_decode
 from dflash_core.drafter import load_drafter
-from dflash_core.features import extract_features
-from dflash_core.metrics import mean_acceptance, tau_macro
+from dflash_core.features import extract, extract_features
+from dflash_core.metrics import mean_acceptance, paired_difference_interval, tau_macro, tau_of
 from dflash_core.replay import Reference, replay
+from dflash_core.sampled_drafts import SampledDrafts, coin_seed
 from dflash_core.sampling import GREEDY, Sampling, sample_seed, verify_block
 from dflash_core.target import load_target, read_target_config
 
@@ -148,11 +149,13 @@ def first_two_tokens_distribution(target, prompt, sampling):
 def first_two_tokens(target, drafter, prompt, sampling, rule, runs: int) -> tuple[dict, int]:
     """Counts of the first two tokens the online loop emits over `runs` seeds, and how often the draft of the
     second was accepted. 3 new tokens: t1 from the prompt's forward, then one step whose first token is
-    verified against the draft (a step of 2 tokens: that draft was accepted)."""
+    verified against the draft (a step of 2 tokens: that draft was accepted). rule "sampled-drafts": drafts
+    sampled from the drafter's q (the served settings) and accepted by rejection sampling."""
     pairs, accepted = {}, 0
+    sampled = sampling if rule == "sampled-drafts" else None
     for seed in range(runs):
-        out = speculative_decode(target, drafter, prompt, 3, sampling=sampling, rule=rule,
-                                 generator=torch.Generator().manual_seed(seed), block_size=4)
+        out = speculative_decode(target, drafter, prompt, 3, sampling=sampling, rule="rejection" if sampled else rule,
+                                 generator=torch.Generator().manual_seed(seed), block_size=4, draft_sampling=sampled)
         pair = tuple(out.output_ids[len(prompt):len(prompt) + 2])
         pairs[pair] = pairs.get(pair, 0) + 1
         accepted += out.acceptance_lengths[0] == 2
@@ -168,8 +171,8 @@ LOSSLESS_RUNS = 1000  # enough: the negative control below fails with as many
 @pytest.mark.slow
 # both rules on Qwen3; on the hybrid (what differs there is the target's forward, not the rule) SGLang's and vLLM's
 @pytest.mark.parametrize("run,rule", [("tiny_qwen3_run", "match"), ("tiny_qwen3_run", "rejection"),
-                                      ("tiny_qwen3_5_run", "rejection")],
-                         ids=["qwen3-match", "qwen3-rejection", "qwen3_5-hybrid-rejection"])
+                                      ("tiny_qwen3_5_run", "rejection"), ("tiny_qwen3_run", "sampled-drafts")],
+                         ids=["qwen3-match", "qwen3-rejection", "qwen3_5-hybrid-rejection", "qwen3-sampled-drafts"])
 def test_online_loop_is_lossless(run, rule, request):
     """Over 1000 seeded runs, the first two tokens the online loop emits (the second verified against the
     trained drafter's draft) are distributed as the target's own samples, on both tiny runs."""
@@ -313,3 +316,40 @@ def test_tau_of_sampled_references_agrees_with_the_online_loop_over_seeds(qwen3_
           f"{tau_macro([o for o in online if o.acceptance_lengths]):.3f}, difference interval {low:+.3f}..{high:+.3f}")
     assert low <= 0 <= high
     assert high - low < 0.3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.6, top_k=20, top_p=0.95)],
+                         ids=Sampling.describe)
+def test_sampled_drafts_expected_tau_agrees_with_the_online_loop_over_seeds(qwen3_run, sampling):
+    """Drafts sampled from q and accepted by rejection sampling: the expected tau of 10 sampled references per prompt
+    (replayed offline, the target's probabilities of their tokens stored) and the online loop's mean over 10 other
+    seeds per prompt estimate the same thing: the two-level interval of their difference holds 0. The greedy-draft
+    rule over the same references (the negative control) gives another number: the paired interval of the two
+    rules' difference, reference by reference, excludes 0."""
+    target, drafter, eos, prompts = qwen3_run
+    samples = 10
+    refs = [Reference(len(p), decode(target, p, 48, eos, sampling, torch.Generator().manual_seed(sample_seed(0, i, k))))
+            for i, p in enumerate(prompts) for k in range(samples)]
+    extracted = extract(target, [r.token_ids for r in refs], drafter.target_layer_ids, probabilities=sampling)
+    features = [e.features for e in extracted]
+    sampled = SampledDrafts(sampling, [e.probabilities for e in extracted], [coin_seed(0, str(n)) for n in range(len(refs))])
+    offline = replay(drafter, target.embed_weight, target.head_weight, refs, features, sampled=sampled)
+    argmax_drafts = replay(drafter, target.embed_weight, target.head_weight, refs, features)
+    online = [speculative_decode(target, drafter, p, 48, eos, sampling=sampling, draft_sampling=sampling,
+                                 generator=torch.Generator().manual_seed(sample_seed(1, i, k)))
+              for i, p in enumerate(prompts) for k in range(samples)]
+
+    def per_prompt(results) -> list[list[float]]:
+        taus = [tau_of(r) if r.acceptance_lengths else None for r in results]
+        return [[t for t in taus[i * samples:(i + 1) * samples] if t is not None] for i in range(len(prompts))]
+
+    live = [g for g in per_prompt(online) if g]
+    low, high = difference_interval([g for g in per_prompt(offline) if g], live)
+    print(f"{sampling.describe()}: expected tau {tau_macro([r for r in offline if r.acceptance_lengths]):.3f}, online "
+          f"{tau_macro([o for o in online if o.acceptance_lengths]):.3f}, difference interval {low:+.3f}..{high:+.3f}")
+    assert low <= 0 <= high and high - low < 0.3
+    pairs = [(str(n // samples), tau_of(r), tau_of(g)) for n, (r, g) in enumerate(zip(offline, argmax_drafts))
+             if r.acceptance_lengths]
+    rule_low, _ = paired_difference_interval(pairs)
+    assert rule_low > 0, rule_low

@@ -25,13 +25,15 @@ def test_a_target_is_named_by_its_hub_id_else_its_folder(tmp_path):
 
 def test_a_series_key_is_readable_and_tells_apart_what_does_not_compare(tmp_path):
     one, other = Store(tmp_path / "a"), Store(tmp_path / "b")
-    key = series_key(one, "f" * 64, "causal", None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")
+    key = series_key(one, "f" * 64, "causal", None, None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")
     assert key.startswith("qwen-qwen3-6-27b-math-") and len(key.rsplit("-", 1)[1]) == 8
-    assert key == series_key(one, "f" * 64, "causal", None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")
-    assert key != series_key(other, "f" * 64, "causal", None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")  # a store
-    assert key != series_key(one, "e" * 64, "causal", None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")  # references
-    assert key != series_key(one, "f" * 64, "non_causal", None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")
-    assert key != series_key(one, "f" * 64, "causal", 4, "Qwen/Qwen3.6-27B", "/data/math.jsonl")  # a block size
+    assert key == series_key(one, "f" * 64, "causal", None, None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")
+    assert key != series_key(other, "f" * 64, "causal", None, None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")  # a store
+    assert key != series_key(one, "e" * 64, "causal", None, None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")  # references
+    assert key != series_key(one, "f" * 64, "non_causal", None, None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")
+    assert key != series_key(one, "f" * 64, "causal", 4, None, "Qwen/Qwen3.6-27B", "/data/math.jsonl")  # a block size
+    sampled = {"q": {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "min_p": 0.0}, "seed": 0}
+    assert key != series_key(one, "f" * 64, "causal", None, sampled, "Qwen/Qwen3.6-27B", "/data/math.jsonl")
     # the names only make it readable: what compares keeps its digits
-    assert series_key(one, "f" * 64, "causal", None, "other", "x").endswith(key[-8:])
-    assert len(f"series:{series_key(one, 'f' * 64, 'causal', None, 'a' * 100, 'b' * 100)}") <= 64
+    assert series_key(one, "f" * 64, "causal", None, None, "other", "x").endswith(key[-8:])
+    assert len(f"series:{series_key(one, 'f' * 64, 'causal', None, None, 'a' * 100, 'b' * 100)}") <= 64

@@ -43,7 +43,8 @@ def test_sampled_references_through_the_flow(tiny, tmp_path, prefect_api_url):
     assert second["stages"] == {"fetch": "ran", "references": "cached", "features": "cached", "drafts": "ran",
                                 "scores": "ran"}
     assert second["served"] == {"label": LABEL, "references": "sampled", **SETTINGS.identity(), "samples": 2,
-                                "seed": 0, "block_size": None}
+                                "seed": 0, "block_size": None, "draft_sample_method": "greedy",
+                                "draft_truncation": True}
     assert second["n_prompts"] == 2 * N_PROMPTS
     prompts = prompt_ids(tiny)
     assert [p["id"] for p in second["per_prompt"]] == [f"{p['id']}#s{k}" for p in prompts for k in (0, 1)]
@@ -73,6 +74,62 @@ def test_sampled_references_through_the_flow(tiny, tmp_path, prefect_api_url):
     # another seed: other samples, another references entry
     reseeded, _ = evaluate(tiny, store, step=-1, **{**SAMPLED, "seed": 1})
     assert reseeded["stages"]["references"] == "ran" and reseeded["tau_macro"] != second["tau_macro"]
+
+
+def test_sampled_drafts_through_the_flow(tiny, tmp_path, prefect_api_url):
+    """--draft-sample-method probabilistic: the same references and features entry, extended once with the
+    target's probabilities of their tokens (verified, and extracted again when damaged), a series of its own, and a
+    new checkpoint costs only fetch, drafts and scores. Its tau is the expectation dflash_core's replay gives over
+    the stored references."""
+    import numpy as np
+
+    from dflash_core.drafter import load_drafter as load
+    from dflash_core.replay import Reference, replay
+    from dflash_core.sampled_drafts import SampledDrafts, coin_seed
+    from dflash_eval.storage.feature_store import TARGET_PROBS
+
+    store = tmp_path / "store"
+    argmax, _ = evaluate(tiny, store, step=-1, **SAMPLED)
+    sampled, _ = evaluate(tiny, store, step=-1, **SAMPLED, draft_sample_method="probabilistic")
+    assert sampled["keys"]["references"] == argmax["keys"]["references"]
+    assert sampled["keys"]["features"] == argmax["keys"]["features"]
+    assert sampled["stages"] == {"fetch": "cached", "references": "cached", "features": "ran", "drafts": "ran",
+                                 "scores": "ran"}
+    features = Store(store).feature_store(sampled["keys"]["features"])
+    assert not features.missing([TARGET_PROBS], 2 * N_PROMPTS)
+    assert sampled["served"]["label"] == f"{LABEL}, sampled drafts"
+    assert sampled["served"]["draft_sample_method"] == "probabilistic" and sampled["draft_sampling"]["seed"] == 0
+    assert sampled["series"]["key"] != argmax["series"]["key"] and sampled["tau_macro"] != argmax["tau_macro"]
+    assert set(sampled["tau_drawn"]) == {"tau_macro", "tau_pooled"}
+
+    # its tau is the replay's expectation over the stored references and probabilities, nothing added
+    refs = Store(store).entry("references", sampled["keys"]["references"])
+    stored = [json.loads((refs / f"seq_{n}.json").read_text()) for n in range(2 * N_PROMPTS)]
+    references = [Reference(r["turns"][0]["prompt_len"], r["turns"][0]["token_ids"]) for r in stored]
+    drafter = load(tiny.drafter_steps[-1])
+    target = load_target(tiny.target_dir, dtype=torch.float32)
+    replayed = replay(drafter, target.embed_weight, target.head_weight, references,
+                      [features.read(drafter.target_layer_ids, n) for n in range(len(stored))],
+                      sampled=SampledDrafts(SETTINGS, [features.read_layer(TARGET_PROBS, n)[:, 0]
+                                                       for n in range(len(stored))],
+                                            [coin_seed(0, r["id"]) for r in stored]))
+    by_prompt = {}
+    for r, result in zip(stored, replayed):
+        by_prompt.setdefault(r["prompt"], []).append(result.expected.tau)
+    assert sampled["tau_macro"] == pytest.approx(np.mean([np.mean(t) for t in by_prompt.values()]), rel=1e-12)
+    assert [p["acceptance_lengths"] for p in sampled["per_prompt"]] == [r.acceptance_lengths for r in replayed]
+
+    # a new checkpoint: fetch, drafts and scores only
+    new, _ = evaluate(tiny, store, step=0, **SAMPLED, draft_sample_method="probabilistic")
+    assert new["stages"] == {"fetch": "ran", "references": "cached", "features": "cached", "drafts": "ran",
+                             "scores": "ran"}
+    # the target's probabilities are verified as the features are: a damaged array is extracted again, same tau
+    chunk = next((store / "features").glob("*/*/features.zarr/target_probs/seq_1/c/0/0"))
+    values = np.fromfile(chunk, dtype=np.float32)
+    (values * 0.5).tofile(chunk)
+    again, _ = evaluate(tiny, store, step=-1, **SAMPLED, draft_sample_method="probabilistic", refresh=["drafts"])
+    assert again["tau_macro"] == sampled["tau_macro"] and again["per_prompt"] == sampled["per_prompt"]
+    assert np.array_equal(np.fromfile(chunk, dtype=np.float32), values)
 
 
 def test_completions_you_already_have_score_as_the_references_they_are(tiny, tmp_path, prefect_api_url):

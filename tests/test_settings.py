@@ -72,6 +72,10 @@ def test_the_flow_s_parameters_are_the_groups_and_their_form_is_the_declaration(
     ({"compute": {"dtype": "float16", "threads": 0}}, "--dtype must be one of auto, float32, bfloat16, got "
      "'float16'; --threads must be at least 1, got 0", "compute.dtype must be one of auto, float32, bfloat16, "
      "got 'float16'; compute.threads must be at least 1, got 0"),
+    ({"serving": {"draft_sample_method": "probabilistic"}}, "--draft-sample-method probabilistic samples drafts at "
+     "the served temperature", "serving.draft_sample_method probabilistic samples drafts at the served temperature"),
+    ({"serving": {"draft_truncation": False}}, "--draft-truncation applies to probabilistic drafts",
+     "serving.draft_truncation applies to probabilistic drafts"),
     ({"inputs": {"target": "t"}}, "give --prompts (a suite or a prompt file), or --references FILE",
      "give inputs.prompts (a suite or a prompt file), or inputs.references FILE"),
     ({"compute": {"dask": "tcp://x:1"}}, "compute.dask is no setting (the compute group hold: dtype, device, "
@@ -156,7 +160,14 @@ def test_the_served_setting_is_one_value_with_one_label():
              (Served(block_size=4), "greedy, blocks of 4", ["block-size:4"]),
              (Served(sampled, 8, 1), "T=0.6 top-k 20 top-p 0.95, 8 samples per prompt, seed 1",
               ["sampling:T=0.6 top-k 20 top-p 0.95", "samples:8"]),
-             (Served(given=True, block_size=2), "given completions, blocks of 2", ["references:given", "block-size:2"])]
+             (Served(given=True, block_size=2), "given completions, blocks of 2", ["references:given", "block-size:2"]),
+             (Served(sampled, 8, 1, draft_sample_method="probabilistic"),
+              "T=0.6 top-k 20 top-p 0.95, 8 samples per prompt, seed 1, sampled drafts",
+              ["sampling:T=0.6 top-k 20 top-p 0.95", "samples:8", "drafts:probabilistic"]),
+             (Served(sampled, 8, 1, 4, draft_sample_method="probabilistic", draft_truncation=False),
+              "T=0.6 top-k 20 top-p 0.95, 8 samples per prompt, seed 1, sampled drafts (q at the temperature only), "
+              "blocks of 4", ["sampling:T=0.6 top-k 20 top-p 0.95", "samples:8", "drafts:probabilistic",
+                              "block-size:4"])]
     for served, label, tags in cases:
         assert served.label == label and served.tags() == tags
         assert served.default == (label == "greedy")
@@ -166,6 +177,11 @@ def test_the_served_setting_is_one_value_with_one_label():
     record = {**sampled.identity(), "samples": 8, "seed": 1}
     assert Served.from_record(record, block_size=4) == Served(sampled, 8, 1, 4)
     assert Served.from_record(None, given=True) == Served(given=True)
+    temperature_only = {"q": Sampling(0.6).identity(), "seed": 1}
+    assert Served.from_record(record, draft_sampling=temperature_only) == Served(
+        sampled, 8, 1, draft_sample_method="probabilistic", draft_truncation=False)
+    assert Served(sampled, draft_sample_method="probabilistic", draft_truncation=False).draft_q == Sampling(0.6)
+    assert Served(sampled).draft_q is None
 
 
 def test_a_block_size_is_chosen_only_when_it_is_not_the_drafter_s_own():

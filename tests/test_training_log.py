@@ -131,7 +131,7 @@ def row(step: int, taus: list[float], run: str = "/runs/r") -> HistoryRow:
 
 
 def group_of(rows: list[HistoryRow]) -> Group:
-    return Group("f", "causal", None, "t", "t", "greedy", "t-series", rows)
+    return Group("f", "causal", None, None, "t", "t", "greedy", "t-series", rows)
 
 
 def taus_around(mean: float, n: int = 40, seed: int = 0) -> list[float]:

@@ -144,9 +144,15 @@ def _print_results(results: dict) -> None:
             f"tau macro {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f} "
             f"(block {results['block_size']}, {results['n_scored_prompts']} references"
             + ("" if results["served"]["label"] == "greedy" else f", {results['served']['label']}")
-            + f", {results['n_steps']} steps, "
-            f"{results['clipped_last_steps']} clipped last steps; {results['sliding_semantics']} sliding layers)"
+            + (f", {results['n_steps']} steps, {results['clipped_last_steps']} clipped last steps"
+               if results["served"]["draft_sample_method"] == "greedy" else
+               f", {results['n_steps']:.1f} steps and {results['clipped_last_steps']:.1f} clipped last steps expected")
+            + f"; {results['sliding_semantics']} sliding layers)"
         )
+    if "tau_drawn" in results:
+        drawn = results["tau_drawn"]
+        console.print(f"sampled drafts: tau is the expectation over the acceptance coins; one draw of them: tau macro "
+                      f"{drawn['tau_macro']:.3f}, pooled {drawn['tau_pooled']:.3f}")
     if "all_positions_tau" in results:
         console.print(f"all positions: mean acceptance length {results['all_positions_tau']:.3f}")
     if "block_sweep" in results:
