@@ -17,6 +17,18 @@
               until one q cannot draft (q at the temperature only: every position, the worst case; with top-k
               20 and top-p 0.95: most blocks stop after the first), and the expectation's dynamic programming.
               The target's probabilities of the tokens are drawn uniform in [0.05, 1].
+  dflash2     the drafts stage (the replay call, as drafts times it) of a DFlash2 drafter at the published
+              Qwen3.8-27B-DFlash2 shape (../shared/notes/dflash2.md: hidden 5120, 5 layers all sliding of
+              window 2048, non-causal within the block, 32 heads of 128, 8 kv heads, block 8, conv kernel 2,
+              group 16, selector rank 256, top-K 16, vocab 248320; intermediate 17408 is not published, the
+              Qwen3.6 drafter's is used) against a DFlash drafter with the same backbone (the same tensors,
+              without the convolutions and selector), the same references and features, timed alternately in
+              one process (--repeats each, the fastest kept). DFlash2's replay also replays its unary head
+              alone and counts per-position selector hits. Two cases: random references (no draft accepted),
+              and accepting ones, built from DFlash2's own greedy drafts over the features (its selector walk
+              accepts every draft while its unary walk and DFlash, whose argmax is rarely the selector's draft,
+              step a token at a time: the walks part). Prints DFlash2/DFlash of each (aim <= 1.3x); above it, or
+              with --profile, where the time goes (backbone and convolutions, head, logits, selector, walks).
   agreement   the drafts stage in bf16 against float32 on the same float32 features, with the tiny
               trained run (real acceptance; built or reused from ~/.cache/dflash-eval/tiny): fraction of
               identical acceptance lengths at every position, and the tau difference.
@@ -28,7 +40,7 @@ overhead is well under 1% here: a few thousand ops, each milliseconds long). The
 extrapolates a full evaluation to a box of C cores (assumptions printed with it).
 
 Run: .venv/bin/python benchmarks/bench_realshape.py [--threads 2] [--refs 8] [--long-tokens 8192]
-     [--stages drafts,extraction,agreement,sampled,long]
+     [--stages drafts,extraction,agreement,sampled,dflash2,long] [--repeats 2] [--profile]
 """
 
 import argparse
@@ -111,17 +123,32 @@ def random_bf16(*shape, std=0.02) -> torch.Tensor:
 
 def random_case(n_refs: int, prompt_len: int, new_tokens: int):
     """(drafter, embedding, head, references, features) at the real shape, random, the replay warmed up."""
-    from dflash_core.replay import Reference, replay
-
     torch.manual_seed(0)
     drafter = real_shape_drafter()
+    embed, head, refs, features = random_inputs(n_refs, prompt_len, new_tokens, len(FEATURE_LAYERS))
+    warm_up(drafter, embed, head, refs, features)
+    return drafter, embed, head, refs, features
+
+
+def random_inputs(n_refs: int, prompt_len: int, new_tokens: int, feature_layers: int):
+    """(embedding, head, references, features): random, bf16, at the real width and vocabulary."""
+    from dflash_core.replay import Reference
+
     embed, head = random_bf16(VOCAB, HIDDEN), random_bf16(VOCAB, HIDDEN)
     length = prompt_len + new_tokens
     refs = [Reference(prompt_len, torch.randint(0, VOCAB, (length,)).tolist()) for _ in range(n_refs)]
-    features = [torch.randn(len(FEATURE_LAYERS), length, HIDDEN, dtype=torch.bfloat16) for _ in range(n_refs)]
-    warm_up = Reference(prompt_len, refs[0].token_ids[:prompt_len + 2])
-    replay(drafter, embed, head, [warm_up], [features[0][:, :prompt_len + 2]])
-    return drafter, embed, head, refs, features
+    features = [torch.randn(feature_layers, length, HIDDEN, dtype=torch.bfloat16) for _ in range(n_refs)]
+    return embed, head, refs, features
+
+
+def warm_up(drafter, embed, head, refs, features) -> None:
+    """One short replay (two decode steps of the first reference)."""
+    from dflash_core.replay import Reference, replay
+
+    prompt_len = refs[0].prompt_len
+    short = Reference(prompt_len, refs[0].token_ids[:prompt_len + 2])
+    with torch.no_grad():
+        replay(drafter, embed, head, [short], [features[0][:, :prompt_len + 2]])
 
 
 def stage_drafts(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
@@ -162,6 +189,284 @@ def stage_sampled(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
         sampled.append({"q": q.describe(), "seconds": seconds, "blocks": n_refs * (new_tokens - 1)})
     return {"greedy_seconds": greedy_seconds, "greedy_blocks": greedy_blocks, "sampled": sampled,
             "peak_rss_gb": peak_rss_gb()}
+
+
+# The published Qwen3.8-27B-DFlash2 drafter (../shared/notes/dflash2.md, "Published checkpoints"): 5 layers, all sliding
+# of window 2048, top-level is_causal false, 32 / 8 heads of 128, block 8, target layers [5, 19, 33, 47, 61] of 64,
+# conv kernel 2 and group 16, selector rank 256 and top-K 16. Its intermediate size is not published: the Qwen3.6-27B
+# drafter's (17408) stands in.
+DFLASH2_BLOCK = 8
+DFLASH2_FEATURE_LAYERS = (5, 19, 33, 47, 61)
+DFLASH2_FIELDS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+DFLASH2_AIM = 1.3  # DFlash2's drafts stage at most this many times DFlash's
+
+
+def dflash2_shape_config(architecture: str, layers: int = 5, vocab: int = VOCAB):
+    """The Qwen3.8-27B-DFlash2 drafter's config; with architecture DFlashDraftModel, the same backbone as DFlash."""
+    from dflash_core.drafter_config import DrafterConfig
+
+    dflash = {"target_layer_ids": list(DFLASH2_FEATURE_LAYERS), "mask_token_id": min(248070, vocab - 1),
+              **(DFLASH2_FIELDS if architecture == "DFlash2DraftModel" else {})}
+    return DrafterConfig.from_dict({
+        "architectures": [architecture], "model_type": "qwen3", "hidden_size": HIDDEN,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+        "intermediate_size": 17408, "rms_norm_eps": 1e-6, "rope_theta": 1e7, "max_position_embeddings": 262144,
+        "vocab_size": vocab, "block_size": DFLASH2_BLOCK, "num_target_layers": 64, "is_causal": False,
+        "layer_types": ["sliding_attention"] * layers, "sliding_window": 2048, "dflash_config": dflash,
+    }, source="the Qwen3.8-27B-DFlash2 drafter shape")
+
+
+def dflash2_pair(layers: int = 5, vocab: int = VOCAB, device="cpu", dtype=torch.bfloat16):
+    """(DFlash2 drafter, DFlash drafter) at the Qwen3.8-27B-DFlash2 shape, random (std 0.02 normal matrices, norms 1,
+    convolutions' base taps 1 at offset 0 and small further back, codebooks std 1 normal as CandidateSelector starts
+    them: the selector's choice then stands well clear of bf16's rounding, which at std 0.02 ties the top candidates
+    and lets a block's batch change the choice). The DFlash drafter holds the DFlash2 one's backbone tensors
+    themselves (no copy): the same weights, without convolutions and selector."""
+    from dflash_core.drafter import DFlashDrafter
+
+    with torch.device("meta"):  # filled in bf16 directly, as real_shape_drafter does
+        dflash2 = DFlashDrafter(dflash2_shape_config("DFlash2DraftModel", layers, vocab), "non_causal")
+        dflash = DFlashDrafter(dflash2_shape_config("DFlashDraftModel", layers, vocab), "non_causal")
+    dflash2 = dflash2.to(dtype).to_empty(device=device).eval()
+    with torch.no_grad():
+        for name, p in dflash2.named_parameters():
+            if name.endswith("base_kernel"):  # [2, kernel, H]
+                p.normal_(0, 0.02)[:, 0] += 1.0
+            elif name.endswith("codebook"):
+                p.normal_(0, 1.0)
+            elif name.endswith("kernel_projection.weight"):
+                p.normal_(0, 0.002)
+            elif p.ndim == 2:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)
+    shared = dflash2.state_dict()
+    dflash.load_state_dict({name: shared[name] for name in dflash.state_dict()}, assign=True)
+    dflash.eval()
+    for drafter in (dflash2, dflash):  # float32 rope frequencies, as load_drafter keeps
+        drafter.rotary = Qwen3RotaryEmbedding(drafter.cfg.rope).to(device)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(dflash.parameters(), (shared[n] for n, _ in
+                                                                                  dflash.named_parameters())))
+    return dflash2, dflash
+
+
+class ReplayProfile:
+    """Inclusive seconds in the replay's parts, by wrapping them (class attributes, restored on exit). The wrappers
+    cost microseconds a call; the parts they time cost milliseconds."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+        self.blocks = 0
+        self._restore: list = []
+
+    def _add(self, label: str, seconds: float) -> None:
+        self.seconds[label] = self.seconds.get(label, 0.0) + seconds
+        self.calls[label] = self.calls.get(label, 0) + 1
+
+    def _wrap(self, owner, attribute: str, label: str) -> None:
+        original = owner.__dict__[attribute]
+        function = original.__func__ if isinstance(original, staticmethod) else original
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self._add(label, time.perf_counter() - start)
+        setattr(owner, attribute, staticmethod(timed) if isinstance(original, staticmethod) else timed)
+        self._restore.append((owner, attribute, original))
+
+    def __enter__(self):
+        from dflash_core import drafter as d
+        from dflash_core import replay as r
+
+        profile = self
+        for owner, attribute, label in (
+                (r.BlockScorer, "__init__", "context"), (r.BlockScorer, "_hidden", "hidden"),
+                (r.BlockScorer, "_accept", "accept"), (r.BlockScorer, "_count_choices", "count_choices"),
+                (d.DFlashDrafter, "forward", "forward"), (d.DFlashDrafter, "draft", "draft"),
+                (d.DFlashDrafter, "_processed", "processed"), (d.CandidateSelector, "forward", "selector"),
+                (d.DynamicConv, "convolve", "convolve")):
+            self._wrap(owner, attribute, label)
+        around = d.DynamicConv.__dict__["around"]
+
+        def timed_around(conv, sublayer, x):  # the convolutions' own time: around, less its sublayer
+            inner = 0.0
+
+            def timed_sublayer(h):
+                nonlocal inner
+                start = time.perf_counter()
+                try:
+                    return sublayer(h)
+                finally:
+                    inner += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                return around(conv, timed_sublayer, x)
+            finally:
+                profile._add("conv", time.perf_counter() - start - inner)
+        d.DynamicConv.around = timed_around
+        self._restore.append((d.DynamicConv, "around", around))
+        tokens = d.Drafts.__dict__["tokens"]
+
+        def timed_tokens(drafts):
+            start = time.perf_counter()
+            try:
+                return tokens.fget(drafts)
+            finally:
+                profile._add("tokens", time.perf_counter() - start)
+        d.Drafts.tokens = property(timed_tokens)
+        self._restore.append((d.Drafts, "tokens", tokens))
+        score = r.BlockScorer.__dict__["score"]
+
+        def counted_score(scorer, blocks, *args, **kwargs):
+            profile.blocks += len(blocks)
+            return score(scorer, blocks, *args, **kwargs)
+        r.BlockScorer.score = counted_score
+        self._restore.append((r.BlockScorer, "score", score))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, attribute, original in reversed(self._restore):
+            setattr(owner, attribute, original)
+
+    def parts(self, total: float) -> dict[str, float]:
+        """Exclusive seconds per part of a replay that took `total`."""
+        t = self.seconds.get
+        conv, convolve, draft = t("conv", 0.0), t("convolve", 0.0), t("draft", 0.0)
+        processed, selector, tokens = t("processed", 0.0), t("selector", 0.0), t("tokens", 0.0)
+        return {
+            "context keys/values (fc, k/v projections)": t("context", 0.0),
+            "backbone layers (attention, MLP, norms)": t("forward", 0.0) - conv,
+            "convolutions: kernel projections": conv - convolve,
+            "convolutions: taps (convolve)": convolve,
+            "block inputs (embeddings, padded context)": t("hidden", 0.0) - t("forward", 0.0),
+            "head matmul + argmax": draft - processed - selector,
+            "float32 logits for the selector": processed,
+            "selector: top-K, codebooks, scores": selector,
+            "selector walk: choosing drafts (Drafts.tokens)": tokens,
+            "both walks' matching (_accept, less the above)": t("accept", 0.0) - draft - tokens - t("count_choices", 0.0),
+            "selector_positions counts": t("count_choices", 0.0),
+            "replay's decode loop and results": total - t("context", 0.0) - t("hidden", 0.0) - t("accept", 0.0),
+        }
+
+
+def accepting_references(drafter, embed, head, refs, features) -> list:
+    """refs rewritten so that the drafter's own greedy walk accepts every draft: from the prompt on, each block's B-1
+    drafts, then the random token already there as the bonus. The features are random and do not depend on the
+    tokens, and a block sees only its anchor and the context before it, so one batch per step drafts every
+    reference's block (the scorer's tokens, filled in place, are the references so far). In bf16 a block's hidden
+    states depend on the blocks batched with it (by up to 0.09 of 0.8 here), enough to change near-tied drafts, so
+    each is drafted in the batch replay scores it in: beside the unary walk's blocks, one token further each step (the
+    selector's draft is rarely the head's argmax)."""
+    from dflash_core.replay import BlockScorer, Reference
+
+    scorer = BlockScorer(drafter, embed, head, refs, features)
+    prompt_len, length, B = refs[0].prompt_len, len(refs[0].token_ids), scorer.B
+    for step, start in enumerate(range(prompt_len, length - 1, B)):
+        blocks = sorted({(i, p) for i in range(len(refs)) for p in (start, prompt_len + step)}, key=lambda b: (b[1], b[0]))
+        drafts = dict(zip(blocks, scorer.draft_tokens(blocks)))
+        for i, tokens in enumerate(scorer.tokens):
+            tokens[start + 1:start + B] = torch.tensor(drafts[(i, start)][:length - start - 1])
+    return [Reference(ref.prompt_len, tokens.tolist()) for ref, tokens in zip(refs, scorer.tokens)]
+
+
+def stage_dflash2(n_refs: int, prompt_len: int, new_tokens: int, repeats: int, profile: bool) -> dict:
+    torch.manual_seed(0)
+    dflash2, dflash = dflash2_pair()
+    embed, head, refs, features = random_inputs(n_refs, prompt_len, new_tokens, len(DFLASH2_FEATURE_LAYERS))
+    drafters = {"DFlash": dflash, "DFlash2": dflash2}
+    for drafter in drafters.values():
+        warm_up(drafter, embed, head, refs, features)
+    start = time.perf_counter()
+    accepting = accepting_references(dflash2, embed, head, refs, features)
+    out = {"building_seconds": time.perf_counter() - start}
+    for case, case_refs in (("random", refs), ("accepting", accepting)):
+        out[case] = dflash2_case(drafters, embed, head, case_refs, features, repeats, profile)
+    out["peak_rss_gb"] = peak_rss_gb()
+    return out
+
+
+def dflash2_case(drafters: dict, embed, head, refs, features, repeats: int, profile: bool) -> dict:
+    """Both drafters' replays of refs, timed alternately (the fastest of repeats kept); their steps, blocks and taus;
+    where the time goes when asked for or above the aim."""
+    from dflash_core.replay import replay
+
+    def timed(drafter) -> tuple[float, list]:
+        start = time.perf_counter()
+        with torch.no_grad():
+            results = replay(drafter, embed, head, refs, features)
+        return time.perf_counter() - start, results
+
+    def tau(results) -> float:
+        return sum(map(sum, (r.acceptance_lengths for r in results))) / sum(len(r.acceptance_lengths) for r in results)
+
+    seconds: dict[str, list[float]] = {name: [] for name in drafters}
+    results = {}
+    for _ in range(repeats):  # alternately, so another process's load falls on both alike
+        for name, drafter in drafters.items():
+            elapsed, results[name] = timed(drafter)
+            seconds[name].append(elapsed)
+    out = {"seconds": seconds, "ratio": min(seconds["DFlash2"]) / min(seconds["DFlash"]),
+           "blocks": sum(len(r.acceptance_lengths) for r in results["DFlash"]),
+           "dflash2_blocks": sum(len(r.acceptance_lengths) for r in results["DFlash2"]),
+           "unary_blocks": sum(len(r.unary.acceptance_lengths) for r in results["DFlash2"]),
+           "scored_blocks": sum(len(set(r.starts) | set(r.unary.starts)) for r in results["DFlash2"]),
+           "taus": {name: tau(rs) for name, rs in results.items()},
+           "unary_tau": tau([r.unary for r in results["DFlash2"]])}
+    if profile or out["ratio"] > DFLASH2_AIM:
+        out["profile"] = {}
+        for name, drafter in drafters.items():
+            with ReplayProfile() as p:
+                elapsed, _ = timed(drafter)
+            out["profile"][name] = {"seconds": elapsed, "blocks_scored": p.blocks, "parts": p.parts(elapsed),
+                                    "calls": p.calls}
+    return out
+
+
+def dflash2_lines(found: dict, args) -> list[str]:
+    lines = [f"dflash2: the drafts stage (replay) at the Qwen3.8-27B-DFlash2 shape, {args.refs} references x "
+             f"({args.prompt_len} + {args.new_tokens}) tokens, block {DFLASH2_BLOCK}, fastest of {args.repeats}; "
+             f"peak RSS {found['peak_rss_gb']:.1f} GB"]
+    for case, title in (("random", "random references (no draft accepted)"),
+                        ("accepting", f"accepting references (DFlash2's selector walk accepts every draft; built in "
+                                      f"{found['building_seconds']:.1f} s)")):
+        d = found[case]
+        best = {name: min(times) for name, times in d["seconds"].items()}
+        lines.append(f"  {title}:")
+        for name, label in (("DFlash", "DFlash  (same backbone)"), ("DFlash2", "DFlash2 (selector + unary walk)")):
+            steps, blocks = (d["blocks"], d["blocks"]) if name == "DFlash" else (d["dflash2_blocks"], d["scored_blocks"])
+            unary = f"; unary walk {d['unary_blocks']} steps, tau {d['unary_tau']:.2f}" if name == "DFlash2" else ""
+            lines.append(f"    {label}: {best[name]:.2f} s ({', '.join(f'{t:.2f}' for t in d['seconds'][name])}); "
+                         f"{steps} steps, tau {d['taus'][name]:.2f}, {best[name] / steps * 1e3:.0f} ms per step; "
+                         f"{blocks} blocks scored, {best[name] / blocks * 1e3:.0f} ms per block{unary}")
+        verdict = "within" if d["ratio"] <= DFLASH2_AIM else "ABOVE"
+        per_block = best["DFlash2"] / d["scored_blocks"] / (best["DFlash"] / d["blocks"])
+        lines.append(f"    DFlash2/DFlash: {d['ratio']:.2f}x ({verdict} the {DFLASH2_AIM}x aim); per scored block "
+                     f"{per_block:.2f}x")
+        if "profile" in d:
+            lines.extend(profile_lines(d["profile"]))
+    lines.append("  (random weights. Random references: no draft is accepted, so both walks start the same blocks and the\n"
+                 "   head and selector run at position 1 only. Accepting references: DFlash2's selector walk accepts\n"
+                 "   every draft, so its head and selector run at every position of its blocks, while its unary walk and\n"
+                 "   DFlash, whose argmax is rarely the selector's draft, score a block at every start: the walks part as\n"
+                 "   far as they can, the most a DFlash2 replay of these references can do. Per step: the replay's time\n"
+                 "   over the steps of the drafter's own walk)")
+    return lines
+
+
+def profile_lines(prof: dict) -> list[str]:
+    lines = ["    where the time goes (one more replay each, timed by part; exclusive seconds):",
+             f"      {'part':<50} {'DFlash':>8} {'DFlash2':>8} {'extra':>8}"]
+    extra_total = prof["DFlash2"]["seconds"] - prof["DFlash"]["seconds"]
+    for part, v2 in prof["DFlash2"]["parts"].items():
+        v1 = prof["DFlash"]["parts"][part]
+        lines.append(f"      {part:<50} {v1:8.2f} {v2:8.2f} {v2 - v1:+8.2f}")
+    lines.append(f"      {'total':<50} {prof['DFlash']['seconds']:8.2f} {prof['DFlash2']['seconds']:8.2f} "
+                 f"{extra_total:+8.2f} (blocks scored {prof['DFlash']['blocks_scored']} and "
+                 f"{prof['DFlash2']['blocks_scored']})")
+    return lines
 
 
 def replay_gflop(cfg, refs, results, vocab: int) -> float:
@@ -268,6 +573,8 @@ def child(args) -> None:
         result = stage_drafts(1, args.long_tokens, args.new_tokens)
     elif args.stage == "sampled":
         result = stage_sampled(args.refs, args.prompt_len, args.new_tokens)
+    elif args.stage == "dflash2":
+        result = stage_dflash2(args.refs, args.prompt_len, args.new_tokens, args.repeats, args.profile)
     else:
         result = stage_agreement()
     print("RESULT " + json.dumps(result))
@@ -318,12 +625,15 @@ def main():
     parser.add_argument("--extract-tokens", type=int, default=512)
     parser.add_argument("--long-tokens", type=int, default=8192)
     parser.add_argument("--stages", default="drafts,extraction,agreement")
+    parser.add_argument("--repeats", type=int, default=2, help="dflash2: timed replays of each drafter, alternately")
+    parser.add_argument("--profile", action="store_true", help="dflash2: where the time goes, whatever the ratio")
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # a child process runs one stage
     args = parser.parse_args()
     if args.stage:
         return child(args)
 
-    argv = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items() if name not in ("stage", "stages")]
+    argv = [f"--{name.replace('_', '-')}={value}" for name, value in vars(args).items()
+            if name not in ("stage", "stages", "profile")] + (["--profile"] if args.profile else [])
     stages = [part for stage in args.stages.split(",") for part in
               (("long-extraction", "long-drafts") if stage == "long" else (stage,))]
     found = {stage: run_child(stage, argv) for stage in stages}
@@ -349,6 +659,8 @@ def main():
                   f"({q['seconds'] / q['blocks'] * 1e3:.0f} ms per block): {q['seconds'] / d['greedy_seconds']:.2f}x "
                   "greedy drafts' time (for a trained drafter, greedy drafts score one block per step, sampled ones "
                   "one per token: tau x this)")
+    if "dflash2" in found:
+        print("\n".join(dflash2_lines(found["dflash2"], args)))
     if "agreement" in found:
         a = found["agreement"]
         print(f"bf16 vs float32 drafts (tiny trained run, same float32 features): {a['identical']}/{a['positions']} "

@@ -19,7 +19,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from .drafter import DFlashDrafter
 from .drafter_config import check_block_size, check_compatible
-from .sampling import GREEDY, Sampling, Verification, draw, verify_block, verify_sampled_block
+from .sampling import GREEDY, Sampling, Verification, verify_block, verify_sampled_block
 from .target import Target
 
 
@@ -100,13 +100,13 @@ def speculative_decode(
     """Speculative decoding with the target verifying every block.
 
     Each step drafts [last token, MASK x (B-1)] from the features of all committed tokens (the drafter's
-    argmax, as every serving stack drafts), verifies it in one target forward, and emits the accepted
-    drafts plus the target's own next token: greedy, or sampled with `sampling` under `rule`
-    (dflash_core.sampling.verify_block). Emitted tokens are clipped at a stop token and at
+    argmax, as every serving stack drafts; a DFlash2 drafter's selector walk from the anchor), verifies it in
+    one target forward, and emits the accepted drafts plus the target's own next token: greedy, or sampled with
+    `sampling` under `rule` (dflash_core.sampling.verify_block). Emitted tokens are clipped at a stop token and at
     max_new_tokens, exactly as the replay clips. Greedy, its output equals greedy_decode's.
     block_size: verify blocks of b <= the drafter's block size (SGLang's --speculative-num-draft-tokens):
     the drafter runs on b positions, not on its whole block cut short. draft_sampling: draw each draft from the
-    drafter's logits processed so (q) and verify by rejection sampling against the target's p (`rule` is then
+    drafter's logits processed so (q; DFlash2: its selector's softmax at that temperature) and verify by rejection sampling against the target's p (`rule` is then
     not used: dflash_core.sampling.verify_sampled_block), as dflash 0.1.0 and vLLM's probabilistic drafting do.
     """
     check_compatible(drafter.cfg, target.hidden_size, target.vocab_size, target.num_layers)
@@ -135,11 +135,8 @@ def speculative_decode(
         block[0, 0] = ids[start]
         ctx = [(k[None], v[None]) for k, v in context]
         hidden = drafter(F.embedding(block, embed), torch.tensor([start], device=drafter.device), ctx)
-        if draft_sampling is None:
-            drafts = (hidden[0, 1:] @ head.T).argmax(-1).tolist()  # B-1 drafted tokens
-        else:
-            draft_probs = draft_sampling.probabilities(drafter.logits(hidden[0, 1:], head))  # q [B-1, V]
-            drafts = draw(draft_probs, generator).tolist()
+        # B-1 drafted tokens (DFlash2: the selector's walk from the anchor), and q [B-1, V] when sampled
+        drafts, draft_probs = drafter.draft_block(hidden[0, 1:], head, ids[start], draft_sampling, generator)
 
         verify = [ids[start]] + drafts
         snapshot = _snapshot(recurrent)
@@ -147,6 +144,7 @@ def speculative_decode(
         if draft_sampling is None:
             new_tokens = verify_block(drafts, out.require_logits()[0], sampling, rule, generator)
         else:
+            assert draft_probs is not None
             new_tokens = verify_sampled_block(drafts, draft_probs, out.require_logits()[0], sampling, generator)
         new_tokens = new_tokens[: max_len - start - 1]
         for j, t in enumerate(new_tokens):

@@ -1,7 +1,8 @@
-"""The DFlash drafter: a small block-diffusion model conditioned on the target's hidden states.
+"""The DFlash drafter: a small block-diffusion model conditioned on the target's hidden states, and DFlash2's.
 
-Read top to bottom: norm, attention, MLP, decoder layer, the drafter (its forward pass first), then loading
-and saving a checkpoint. Its config.json is read and validated in drafter_config.py.
+Read top to bottom: norm, attention, MLP, DFlash2's convolution, decoder layer, the drafter (its forward pass
+first, then how it drafts a block), DFlash2's candidate selector and drafter, then loading and saving a
+checkpoint. Its config.json is read and validated in drafter_config.py.
 
 One forward drafts a whole block of B tokens: the block is [bonus token, MASK x (B-1)] at absolute
 positions start .. start+B-1, and block position k predicts token start+k (no shift). Queries come
@@ -12,12 +13,21 @@ not depend on the block, so `context_kv` computes them once per sequence and eve
 Parameter names equal the checkpoint's keys (fc.weight, layers.N.self_attn.q_proj.weight, ...).
 There is no embedding and no lm_head: the target's are used (see token_head.py).
 
+DFlash2 (z-lab's DFlash2DraftModel) is the same backbone plus a grouped dynamic convolution around every attention
+and MLP sublayer, within the block, and a candidate selector: its draft at block position k is chosen among the
+head's top K tokens there by a score that depends on the token drafted at k - 1 (the anchor at k = 1), so a
+block's drafts are a walk from the anchor rather than an argmax per position. While the drafts match the
+reference, the token before each is the reference's: scoring a position given the reference token before it is
+what the walk drafts there, which keeps the offline replay exact and batched (dflash_core.replay).
+
 Shapes in comments: N blocks (or sequences), B block size, S context length, T tokens, H hidden size,
 K target layers read, n_heads / n_kv query / key-value heads, hd head dim.
 """
 
 import json
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +41,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from .checkpoint_files import WeightFilesError, weight_files
 from .choices import SLIDING_SEMANTICS
 from .drafter_config import DrafterConfig, DrafterConfigWarning, DrafterError, read_drafter_config
+from .sampling import Sampling, draw
 
 # One layer's context keys and values, each [N, n_kv, S, hd] (or [n_kv, T, hd] for one sequence).
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -103,8 +114,49 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class DynamicConv(nn.Module):
+    """DFlash2's grouped dynamic causal convolution around one sublayer, within the block.
+
+    Two convolutions, one on the sublayer's (normed) input and one on its output, each
+
+        out[t, c] = sum_{o < kernel} (base[o, c] + dynamic[t, o, c // group]) * x[t - o, c]
+
+    with x[t - o] = 0 before the block's first position: the taps never reach past the block (the context enters
+    through attention only). base taps are per channel (base_kernel[0] before the sublayer, [1] after it); the
+    dynamic taps, one per group of `group_size` channels, both come from the sublayer's input.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        # the identity until trained (a tap of 1 at offset 0), as DFlash2 recipes start it
+        self.base_kernel = nn.Parameter(F.pad(torch.ones(2, 1, hidden_size), (0, 0, 0, kernel_size - 1)))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+
+    def around(self, sublayer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """sublayer wrapped in the two convolutions; x [N, B, H] its normed input."""
+        N, B, _ = x.shape
+        dynamic = self.kernel_projection(x).view(N, B, 2, self.kernel_size, self.groups)
+        y = sublayer(self.convolve(x, dynamic[:, :, 0], self.base_kernel[0]))
+        return self.convolve(y, dynamic[:, :, 1], self.base_kernel[1])
+
+    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """x [N, B, H], dynamic [N, B, kernel, groups], base [kernel, H] -> [N, B, H]. The terms are added in the order
+        z-lab's reference adds them (base, then dynamic, offset by offset), so bf16 rounds as it does."""
+        N, B, H = x.shape
+        x = x.view(N, B, self.groups, self.group_size)
+        out = torch.zeros_like(x)
+        for offset in range(self.kernel_size):
+            # x[t - offset]: zeros for the first `offset` positions of the block
+            past = torch.cat([x.new_zeros(N, min(offset, B), self.groups, self.group_size), x[:, :B - offset]], 1)
+            out = out + base[offset].view(self.groups, self.group_size).to(x.dtype) * past
+            out = torch.addcmul(out, dynamic[:, :, offset, :, None], past)
+        return out.view(N, B, H)
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream."""
+    """Pre-norm attention and MLP, each added to the residual stream (DFlash2: each wrapped in a DynamicConv)."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -112,11 +164,22 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.attention_conv: DynamicConv | None = None
+        self.mlp_conv: DynamicConv | None = None
+        if cfg.has_selector:
+            assert cfg.conv_kernel_size is not None and cfg.conv_group_size is not None  # drafter_config requires them
+            self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+            self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_k: torch.Tensor,
                 context_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
-        x = x + self.mlp(self.post_attention_layernorm(x))
+        def attend(h: torch.Tensor) -> torch.Tensor:
+            return self.self_attn(h, cos, sin, context_k, context_v, mask)
+
+        h = self.input_layernorm(x)
+        x = x + (attend(h) if self.attention_conv is None else self.attention_conv.around(attend, h))
+        h = self.post_attention_layernorm(x)
+        x = x + (self.mlp(h) if self.mlp_conv is None else self.mlp_conv.around(self.mlp, h))
         return x
 
 
@@ -124,9 +187,55 @@ class DecoderLayer(nn.Module):
 # The drafter
 
 
+@dataclass(frozen=True)
+class Drafts:
+    """What a drafter makes of block positions (any leading shape [...]), each given the token before it: DFlash.draft.
+
+    Greedy drafts are `tokens`; sampled ones are drawn from `probabilities(q)`. For DFlash2 the head's argmax and its
+    processed distribution are the unary head alone, which the selector chooses from."""
+
+    argmax: torch.Tensor  # [...] the head's argmax: DFlash's greedy draft
+    logits: torch.Tensor | None = None  # [..., V] float32, DFlashDrafter.logits (None unless asked for, or DFlash2)
+    candidates: torch.Tensor | None = None  # [..., K] DFlash2: the head's top K (most likely first)
+    scores: torch.Tensor | None = None  # [..., K] DFlash2: the selector's score of each candidate
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """The greedy drafts [...]: the best-scoring candidate (DFlash2), else the head's argmax."""
+        if self.candidates is None or self.scores is None:
+            return self.argmax
+        return self.candidates.gather(-1, self.scores.argmax(-1, keepdim=True))[..., 0]
+
+    def probabilities(self, q: Sampling) -> torch.Tensor:
+        """The distribution a sampled draft is drawn from, [..., V] float32. DFlash: the logits processed as `q` says
+        (temperature, top-k, top-p, min-p). DFlash2: softmax(score / temperature) over the candidates, 0 elsewhere
+        (its q never takes top-k or top-p: z-lab's reference, SGLang and vLLM draw it so)."""
+        assert self.logits is not None, "draft(..., logits=True) for sampled drafts"
+        if self.candidates is None or self.scores is None:
+            return q.probabilities(self.logits)
+        return torch.zeros_like(self.logits).scatter_(-1, self.candidates, self._selector_q(q))
+
+    def probability_of(self, tokens: torch.Tensor, q: Sampling) -> torch.Tensor:
+        """probabilities(q) at `tokens` [...], float32 [...] (without building the [..., V] distribution for DFlash2)."""
+        if self.candidates is None or self.scores is None:
+            return self.argmax_probability_of(tokens, q)
+        return (self._selector_q(q) * (self.candidates == tokens[..., None])).sum(-1)
+
+    def argmax_probability_of(self, tokens: torch.Tensor, q: Sampling) -> torch.Tensor:
+        """The head's own processed distribution (q over the logits) at `tokens`: DFlash's q; for DFlash2, the unary
+        head drafting alone."""
+        assert self.logits is not None, "draft(..., logits=True) for sampled drafts"
+        return q.probability_of(self.logits, tokens)
+
+    def _selector_q(self, q: Sampling) -> torch.Tensor:
+        assert self.scores is not None
+        return (self.scores.float() / q.temperature).softmax(-1)
+
+
 class DFlashDrafter(nn.Module):
-    """The drafter of a DrafterConfig. sliding_semantics says how sliding-window layers treat the block
-    when the config does not set is_causal (choices.SLIDING_SEMANTICS)."""
+    """The drafter of a DrafterConfig, DFlash or DFlash2 (cfg.has_selector: the layers get their convolutions and the
+    drafter its candidate selector). sliding_semantics says how sliding-window layers treat the block when the
+    config does not set is_causal (choices.SLIDING_SEMANTICS)."""
 
     def __init__(self, cfg: DrafterConfig, sliding_semantics: str = "causal"):
         super().__init__()
@@ -145,6 +254,7 @@ class DFlashDrafter(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(cfg.rope)  # transformers' rope (default, yarn, llama3, ...)
+        self.candidate_selector = CandidateSelector(cfg) if cfg.has_selector else None
 
     def forward(self, block_embeds: torch.Tensor, starts: torch.Tensor, context: list[LayerKV]) -> torch.Tensor:
         """Draft N blocks at once.
@@ -185,8 +295,47 @@ class DFlashDrafter(nn.Module):
         """The drafter's logits: its hidden states [..., H] through the target's head [V, H], times the config's
         output_multiplier, then softcapped (tanh(x / cap) * cap), as z-lab's compute_logits does. Both are
         monotonic: the argmax (a greedy draft) is the raw logits', which the replay uses as they are; a sampled
-        draft's distribution needs them. [..., V], float32."""
-        logits = (hidden @ head_weight.T).float() * self.cfg.output_multiplier
+        draft's distribution and DFlash2's selector need them. [..., V], float32."""
+        return self._processed(hidden @ head_weight.T)
+
+    def draft(self, hidden: torch.Tensor, head_weight: torch.Tensor, previous: torch.Tensor,
+              logits: bool = False) -> Drafts:
+        """Drafts at block positions whose final hidden states are `hidden` [..., H], each given the token before it,
+        `previous` [...] (the anchor before position 1, then the draft before it: DFlash2's selector depends on it,
+        DFlash does not). logits: also the processed logits, which sampled drafts need (DFlash2 always has them)."""
+        raw = hidden @ head_weight.T  # [..., V] in the drafter's dtype: its argmax is the greedy draft
+        if self.candidate_selector is None:
+            return Drafts(raw.argmax(-1), self._processed(raw) if logits else None)
+        processed = self._processed(raw)
+        candidates, scores = self.candidate_selector(processed, hidden, previous)
+        return Drafts(raw.argmax(-1), processed, candidates, scores)
+
+    def draft_block(self, hidden: torch.Tensor, head_weight: torch.Tensor, anchor: int, q: Sampling | None = None,
+                    generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+        """One block's drafts from its hidden states at positions 1 .. P ([P, H]): greedy (q None), or each drawn from
+        Drafts.probabilities(q) with `generator`; returns the drafts and, when sampled, q at each position [P, V] (what
+        verification needs). DFlash2 walks from the anchor: each draft is chosen given the one before it."""
+        if self.candidate_selector is None:
+            drafts = self.draft(hidden, head_weight, torch.full(hidden.shape[:-1], anchor), logits=q is not None)
+            if q is None:
+                return drafts.tokens.tolist(), None
+            probs = drafts.probabilities(q)
+            return draw(probs, generator).tolist(), probs
+        previous = torch.tensor([anchor], device=hidden.device)
+        tokens, rows = [], []
+        for k in range(len(hidden)):
+            drafts = self.draft(hidden[k:k + 1], head_weight, previous)
+            if q is None:
+                previous = drafts.tokens
+            else:
+                rows.append(drafts.probabilities(q))
+                previous = draw(rows[-1], generator)
+            tokens.append(int(previous))
+        return tokens, torch.cat(rows) if rows else None
+
+    def _processed(self, raw_logits: torch.Tensor) -> torch.Tensor:
+        """logits() of the head's raw output."""
+        logits = raw_logits.float() * self.cfg.output_multiplier
         cap = self.cfg.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -293,6 +442,57 @@ class DFlashDrafter(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
+# DFlash2's candidate selector
+
+
+class CandidateSelector(nn.Module):
+    """At each block position, DFlash2 keeps the head's top K tokens and scores each candidate c given the token p
+    before it (the anchor at position 1, then the token drafted at the position before):
+
+        score(c) = logit(c) + < predecessor_codebook[p] * hidden_projection(h), successor_codebook[c] >
+
+    A greedy draft is the best-scoring candidate; a sampled one is drawn from softmax(score / T) over the K.
+    The codebooks [V, rank] are bare tensors, as checkpoints store them (CODEBOOKS)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        assert cfg.selector_top_k and cfg.selector_rank and cfg.vocab_size  # drafter_config requires them for DFlash2
+        self.top_k, self.rank = cfg.selector_top_k, cfg.selector_rank
+        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank))  # (as nn.Embedding)
+        self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank))
+
+    def forward(self, logits: torch.Tensor, hidden: torch.Tensor,
+                previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [..., V] (the drafter's, float32), hidden [..., H], previous [...] -> the candidates [..., K] (the top
+        K tokens, most likely first: a tied score goes to the likelier one) and their scores [..., K], in the
+        drafter's dtype as z-lab's reference computes them."""
+        unary, candidates = logits.topk(self.top_k, dim=-1)
+        query = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # [..., rank]
+        keys = self.successor_codebook[candidates]  # [..., K, rank]
+        pairing = torch.einsum("nr,nkr->nk", query.reshape(-1, self.rank), keys.reshape(-1, self.top_k, self.rank))
+        return candidates, unary.to(query.dtype) + pairing.view(candidates.shape)
+
+
+# nn.Embedding's names for the codebooks (z-lab's PyTorch module, and a trainer's save of it) -> the published ones
+CODEBOOKS = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
+             for name in ("predecessor_codebook", "successor_codebook")}
+
+
+def published_names(state: dict[str, Any]) -> dict[str, Any]:
+    """A drafter's weights (under any common prefix) with the codebooks' `.weight` names renamed to the published bare
+    ones, unless the bare name is there too (which the weight checks then refuse as unexpected)."""
+    renamed = {}
+    for name, tensor in state.items():
+        for embedding_name, bare in CODEBOOKS.items():
+            prefix = name[:-len(embedding_name)]
+            if name.endswith(embedding_name) and prefix + bare not in state:
+                name = prefix + bare
+        renamed[name] = tensor
+    return renamed
+
+
+# ----------------------------------------------------------------------------------------------
 # Loading and saving
 
 
@@ -305,7 +505,7 @@ def load_drafter(
     tokenizer: Any = None,
     config: DrafterConfig | None = None,
 ) -> DFlashDrafter:
-    """Load a DFlash drafter checkpoint (config.json + model.safetensors or a sharded index).
+    """Load a DFlash or DFlash2 drafter checkpoint (config.json + model.safetensors or a sharded index).
 
     Every weight must be present with the shape the config implies, and no unexpected weight may be
     present (a different architecture under the same name must not load silently). mask_token_id
@@ -344,11 +544,12 @@ def _checked_weights(path: Path, cfg: DrafterConfig, expected: dict[str, torch.S
                     state[name] = f.get_tensor(name)
         except Exception as e:
             raise DrafterError(f"{file}: cannot read safetensors ({e}); re-fetch the checkpoint") from e
+    state = published_names(state)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise DrafterError(
-            f"{path}: weights do not match a DFlash drafter with {cfg.num_layers} layers: "
+            f"{path}: weights do not match a {cfg.architecture} with {cfg.num_layers} layers: "
             f"missing {missing[:8]}{'...' if len(missing) > 8 else ''}, "
             f"unexpected {unexpected[:8]}{'...' if len(unexpected) > 8 else ''}"
         )

@@ -1,6 +1,7 @@
 """A DFlash drafter's config.json: read, validated, and checked against a target.
 
-config.json is a Qwen3 config plus DFlash fields. Every field that changes the drafted tokens is read, or
+config.json is a Qwen3 config plus DFlash fields (DFlash2 drafters add four: their convolutions' and candidate
+selector's shapes). Every field that changes the drafted tokens is read, or
 refused by name; the fields that do not change them are listed in IGNORED_FIELDS with the reason; any other
 top-level field is warned about (Hugging Face writes many). README.md, "Drafter config fields", is the table
 of all of them.
@@ -30,7 +31,14 @@ class DrafterConfigWarning(UserWarning):
 # ----------------------------------------------------------------------------------------------
 # The fields
 
-ARCHITECTURE = "DFlashDraftModel"  # the only architecture whose forward pass drafter.py implements
+# The architectures whose forward pass drafter.py implements, and what each is.
+ARCHITECTURES = {
+    "DFlashDraftModel": "DFlash",
+    "DFlash2DraftModel": "DFlash2 (grouped dynamic convolutions and a candidate selector)",
+}
+# Drafters of other architectures (names as their configs give them), refused with what they add; docs/drafter-config.md
+NOT_READ = ("Domino and DSpark drafters (SpecForge: a logits head on top of the drafter) and MiMo-style drafters "
+            "(attention-sink biases, sliding layers of their own shapes)")
 
 # Top-level fields read with their Qwen3Config meaning (plus is_causal, as z-lab's reference reads it).
 READ_FIELDS = (
@@ -46,7 +54,8 @@ READ_FIELDS = (
 DFLASH_FIELDS = (
     "target_layer_ids", "mask_token_id", "mask_token", "block_size", "num_target_layers", "causal",
     "use_swa", "swa_window_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-    "attention_sink_bias", "projector_type", "pure_draft_prefix_len", "shift_label",
+    "attention_sink_bias", "projector_type", "pure_draft_prefix_len", "shift_label", *(
+        DFLASH2_FIELDS := ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
 )
 
 # Fields that switch on math drafter.py does not implement: refused unless they hold their "off"
@@ -65,8 +74,6 @@ SWITCHES = {
 
 # Fields of other architectures' extra modules: refused whenever present (not null).
 EXTRA_MODULE_FIELDS = {
-    "conv_kernel_size": "DFlash2's dynamic convolutions", "conv_group_size": "DFlash2's dynamic convolutions",
-    "selector_rank": "DFlash2's candidate selector", "selector_top_k": "DFlash2's candidate selector",
     "emb_dim": "Domino's GRU logits head", "gru_hidden_dim": "Domino's GRU logits head",
     "hybrid_layer_pattern": "MiMo's layer pattern (this loader reads layer_types)",
     "swa_head_dim": "MiMo's separate sliding-layer shapes", "swa_v_head_dim": "MiMo's separate sliding-layer shapes",
@@ -129,6 +136,18 @@ class DrafterConfig:
     # drafts (the argmax) ignore them; sampled drafts' distribution q is computed from the transformed logits
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    architecture: str = "DFlashDraftModel"  # a key of ARCHITECTURES
+    # DFlash2 only (None for DFlash): the convolutions' taps per channel and channels per group (one dynamic tap per
+    # group), the selector's low rank and how many of the head's top tokens it chooses among
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+
+    @property
+    def has_selector(self) -> bool:
+        """A DFlash2 drafter: its draft is the candidate selector's walk, not the head's argmax."""
+        return self.architecture == "DFlash2DraftModel"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json", mask_token_id: int | None = None,
@@ -141,6 +160,7 @@ class DrafterConfig:
         """
         fields = _Fields(raw, source)
         _refuse_unimplemented(fields)
+        architecture = (raw.get("architectures") or ["DFlashDraftModel"])[0]
 
         hidden = fields.required("hidden_size")
         num_layers = fields.required("num_hidden_layers")
@@ -197,6 +217,7 @@ class DrafterConfig:
             input_embedding_scale=1.0 if scale is None else float(scale),
             output_multiplier=float(fields.dflash("output_multiplier") or 1.0),
             final_logit_softcapping=_softcap(fields.dflash("final_logit_softcapping")),
+            architecture=architecture, **_dflash2_shapes(fields, architecture, hidden),
         )
 
 
@@ -339,14 +360,14 @@ def _refuse_unimplemented(fields: _Fields) -> None:
     """Refuse, by name, every field that asks for math drafter.py does not compute."""
     raw, nested = fields.raw, fields.nested
     architectures = raw.get("architectures")
-    if architectures is not None and architectures != [ARCHITECTURE]:
+    if architectures is not None and not (isinstance(architectures, list) and len(architectures) == 1
+                                          and architectures[0] in ARCHITECTURES):
         if "dflash_config" not in raw and isinstance(architectures, list) and any(
                 isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
             fields.fail(f"architectures {architectures!r}: this looks like a target model, not a DFlash drafter (no "
                         "dflash_config); pass it as the target and the drafter checkpoint as the drafter")
-        fields.fail(f"architectures {architectures!r}: only {ARCHITECTURE} is implemented here (DFlash2DraftModel adds "
-                    "dynamic convolutions and a candidate selector; Domino/DSpark drafters add logits heads). "
-                    "Score this checkpoint with its own reference implementation.")
+        fields.fail(f"architectures {architectures!r}: the drafters read here are {' and '.join(ARCHITECTURES)}; "
+                    f"not read: {NOT_READ}. Score this checkpoint with its own reference implementation.")
     unknown = sorted(set(nested) - set(DFLASH_FIELDS) - set(EXTRA_MODULE_FIELDS))
     if unknown:
         fields.fail(f"unknown dflash_config keys {unknown}: each may change the drafter's math, so they are not "
@@ -379,6 +400,33 @@ def _refuse_unimplemented(fields: _Fields) -> None:
     softcap = fields.dflash("final_logit_softcapping")
     if softcap is not None and not _is_number(softcap):
         fields.fail(f"{fields.name('final_logit_softcapping')} must be a number or null, got {softcap!r}")
+
+
+def _dflash2_shapes(fields: _Fields, architecture: str, hidden: int) -> dict[str, int | None]:
+    """DFlash2's four shape fields (dflash_config first, as everywhere): each required for a DFlash2DraftModel, as
+    z-lab's reference reads them with no default, and refused for a DFlash one (its weights have no such modules)."""
+    values = {key: fields.dflash(key) for key in DFLASH2_FIELDS}
+    if architecture != "DFlash2DraftModel":
+        given = [fields.name(key) for key, value in values.items() if value is not None]
+        if given:
+            fields.fail(f"{given[0]} configures DFlash2's {'convolutions' if 'conv' in given[0] else 'candidate selector'}, "
+                        f"but the architecture is {architecture}: a DFlash2 drafter's config says architectures "
+                        "['DFlash2DraftModel']. Fix the config, or drop the DFlash2 fields if the weights are DFlash's.")
+        return dict.fromkeys(DFLASH2_FIELDS)
+    for key, value in values.items():
+        if value is None:
+            fields.fail(f"a DFlash2DraftModel needs dflash_config.{key} (its {', '.join(DFLASH2_FIELDS)} have no "
+                        "default): add the value the drafter was trained with")
+        fields.integer(fields.name(key), value, 1)
+    if hidden % values["conv_group_size"]:
+        fields.fail(f"{fields.name('conv_group_size')} {values['conv_group_size']} does not divide hidden_size {hidden}: "
+                    "the convolutions' dynamic taps are one per group of that many channels")
+    vocab = fields.integer("vocab_size", fields.raw.get("vocab_size"), 1)
+    if vocab is None:
+        fields.fail("a DFlash2DraftModel needs vocab_size: its selector's codebooks have one row per token")
+    if values["selector_top_k"] > vocab:
+        fields.fail(f"{fields.name('selector_top_k')} {values['selector_top_k']} exceeds vocab_size {vocab}")
+    return values
 
 
 def _attention_layout(fields: _Fields, num_layers: int) -> tuple[tuple[str, ...], int | None, bool | None]:

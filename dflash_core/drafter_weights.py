@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .drafter import DFlashDrafter, load_drafter
+from .drafter import DFlashDrafter, load_drafter, published_names
 from .drafter_config import DrafterConfig, DrafterError, read_drafter_config
 
 MAX_DEPTH = 4  # how deep in nested dicts the weights may sit
@@ -76,7 +76,7 @@ def find_drafter_weights(payload, names: set[str]) -> tuple[str, dict[str, torch
     def visit(obj, where: str, depth: int) -> None:
         if not isinstance(obj, dict) or depth > MAX_DEPTH:
             return
-        tensors = {k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, torch.Tensor)}
+        tensors = published_names({k: v for k, v in obj.items() if isinstance(k, str) and isinstance(v, torch.Tensor)})
         for key in tensors:
             if not key.endswith(anchor):
                 continue
@@ -100,7 +100,7 @@ def find_drafter_weights(payload, names: set[str]) -> tuple[str, dict[str, torch
                            f"cannot tell which one was trained: {EXPORT_HINT}")
     where, weights, extra = found[0]
     if extra:
-        raise DrafterError(f"{where} holds weights a DFlash drafter does not have: {extra[:8]}"
+        raise DrafterError(f"{where} holds weights a drafter of this config does not have: {extra[:8]}"
                            f"{'...' if len(extra) > 8 else ''} (another architecture?)")
     return where, weights
 

@@ -299,6 +299,49 @@ def drawn_taus(prompts: Sequence[PromptScore]) -> dict[str, float]:
     return {"tau_macro": tau_macro(drawn), "tau_pooled": tau_pooled(drawn)}
 
 
+# DFlash2: what selector_summary counts per draft position, in order (dflash_core.replay.SELECTOR_COUNTS)
+SELECTOR_COUNTS = ("reached", "selector", "argmax", "in_top_k")
+
+
+def selector_summary(prompts: Sequence[PromptScore], unary: Sequence[PromptScore],
+                     selector_positions: Sequence[Sequence[Sequence[float]]]) -> dict:
+    """A DFlash2 drafter's candidate selector against its unary head alone, on the same references (the trainers'
+    accuracies read the head's argmax, so they cannot say whether the selector helps):
+
+    - unary_tau_macro / _pooled (and intervals): the tau the head's argmax alone would reach as the drafts (with
+      sampled drafts, the head's q); lift: tau_macro minus it, with its paired 95% interval;
+    - per draft position k = 1..B-1, over the positions the selector's decode steps compared (reached): the share
+      where the selector's draft was accepted (selector_accuracy), where the head's argmax would have been
+      (argmax_accuracy; the same context: every earlier draft accepted) and where the reference's token was among
+      the K candidates the selector chooses from (candidate_recall, the selector's ceiling); `overall`, the
+      same over every position. With sampled drafts each count is an expectation.
+
+    prompts and unary: the scored references (one step or more), in the same order; selector_positions: per
+    reference, per position, the counts SELECTOR_COUNTS."""
+    counts = [[sum(p[k][c] for p in selector_positions) for k in range(len(selector_positions[0]))]
+              for c in range(len(SELECTOR_COUNTS))]
+    reached = counts[0]
+
+    def shares(values: list[float]) -> list[float | None]:
+        return [v / r if r else None for v, r in zip(values, reached)]
+
+    selected, alone = tau_macro(prompts), tau_macro(unary)
+    pairs = [(p.prompt or p.id, tau_of(p), tau_of(u)) for p, u in zip(prompts, unary)]
+    return {
+        "unary_tau_macro": alone,
+        "unary_tau_macro_ci95": bootstrap_interval(unary, tau_macro),
+        "unary_tau_pooled": tau_pooled(unary),
+        "lift": selected - alone,
+        "lift_ci95": paired_difference_interval(pairs),
+        "position_counts": {name: [_whole(c) for c in column] for name, column in zip(SELECTOR_COUNTS, counts)},
+        "selector_accuracy": shares(counts[1]),
+        "argmax_accuracy": shares(counts[2]),
+        "candidate_recall": shares(counts[3]),
+        "overall": {name: sum(column) / sum(reached) if sum(reached) else None
+                    for name, column in zip(("selector_accuracy", "argmax_accuracy", "candidate_recall"), counts[1:])},
+    }
+
+
 def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool = False) -> dict:
     """The scores record: tau (macro, pooled), histogram, clipped steps and per-prompt detail (JSON-able).
 

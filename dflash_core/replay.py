@@ -18,6 +18,13 @@ With drafts sampled from the drafter's q and accepted by rejection sampling (`sa
 probability min(1, q(y)/p(y)) given the token y emitted: dflash_core.sampled_drafts replays that rule, in
 expectation and in one seeded draw, from a block scored at every start position.
 
+A DFlash2 drafter's draft at block position k is its selector's choice given the draft at k - 1. While a block
+matches the reference that draft is the reference's token, so each position is scored given the reference's token
+before it (dflash_core.drafter), batched like DFlash's. Its replay also replays the unary head alone (the head's
+argmax as the drafts: `ReplayResult.unary`, its own decode steps), each block scored once for both, and counts per
+draft position, where the decode reached it, how often the selector's draft, the head's argmax and the top K held
+the reference's token (`ReplayResult.selector_positions`): what the selector adds, which training logs cannot show.
+
 Speed: context keys/values are computed once per sequence (drafter.context_kv); blocks from many
 sequences or start positions run as one batch under a mask; the lm_head runs only for blocks still
 matching, since positions after the first mismatch cannot change the answer (while few blocks are
@@ -26,14 +33,24 @@ alive, one pass over the head serves several positions: it costs what one positi
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .drafter import DFlashDrafter
+from .drafter import DFlashDrafter, Drafts
 from .drafter_config import check_block_size, check_compatible
-from .sampled_drafts import ExpectedSteps, SampledDrafts, acceptance, coin_steps, expected_steps, step_distribution
+from .metrics import SELECTOR_COUNTS
+from .sampled_drafts import (
+    ExpectedSteps,
+    SampledDrafts,
+    acceptance,
+    coin_steps,
+    expected_steps,
+    position_reach,
+    step_distribution,
+)
 from .sampling import Sampling
 
 # Rows of the lm_head's matmul whose arithmetic costs about what reading the head once does (at the
@@ -88,6 +105,35 @@ class ReplayResult:
     # drafts sampled (dflash_core.sampled_drafts): the steps in expectation over the acceptance coins; the steps
     # above are then one draw of the coins, and all_positions and position_hits expectations
     expected: ExpectedSteps | None = None
+    # DFlash2: the replay of its unary head alone (the head's argmax as the drafts; sampled, the head's q), and per
+    # draft position k = 1..B-1, over the positions the decode steps above compared (metrics.SELECTOR_COUNTS): (reached, the
+    # selector's draft accepted, the head's argmax would have been, the reference's token among the K candidates);
+    # with sampled drafts, expectations (each an acceptance probability, weighed by the probability of reaching it)
+    unary: "ReplayResult | None" = None
+    selector_positions: list[list[float]] | None = None
+
+
+@dataclass(frozen=True)
+class BlockScore:
+    """One block's outcome for each walk drafted: walk 0 the drafter's drafts, walk 1 (DFlash2) its unary head's
+    argmax alone."""
+
+    steps: list[int]  # acceptance length per walk
+    rejected: list[int]  # the draft at the first compared mismatch per walk (-1: none)
+    hits: list[int] | None = None  # every-position scoring: walk 0's teacher-forced hit per position (1, 0; -1 past R)
+    # DFlash2: [B-1, 4] SELECTOR_COUNTS at the positions walk 0 compared (0 elsewhere)
+    positions: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class AcceptanceRows:
+    """Sampled drafts: per block and draft position [N, B-1], float64, the probability that the draft was accepted
+    given the reference's token (0 where R ends before it), for the drafter's drafts and (DFlash2) its unary head's
+    q alone, and (DFlash2) whether the reference's token was among the selector's candidates."""
+
+    drafts: np.ndarray
+    unary: np.ndarray | None = None
+    in_top_k: np.ndarray | None = None
 
 
 class BlockScorer:
@@ -158,100 +204,160 @@ class BlockScorer:
             hidden = self.drafter(block_embeds, starts, context)  # [N, B, H]
         return hidden
 
+    @property
+    def walks(self) -> int:
+        """The walks each block is scored for: the drafter's drafts, and (DFlash2) its unary head's argmax alone."""
+        return 1 if self.drafter.candidate_selector is None else 2
+
     @torch.no_grad()
     def draft_tokens(self, blocks: Sequence[tuple[int, int]], positions: int | None = None) -> list[list[int]]:
         """The drafter's guesses at block positions 1..positions (default all, B-1) for each (reference
-        index, start)."""
-        hidden = self._hidden(blocks, self._truth(blocks))
+        index, start): DFlash2's selector walk from the anchor, each draft given the one before it."""
+        truth = self._truth(blocks)
+        hidden = self._hidden(blocks, truth)
         last = self.B if positions is None else 1 + positions
-        return (hidden[:, 1:last] @ self.head.T).argmax(-1).tolist()
+        if self.drafter.candidate_selector is None:
+            return (hidden[:, 1:last] @ self.head.T).argmax(-1).tolist()
+        previous, drafted = truth[:, 0], []
+        for k in range(1, last):
+            previous = self.drafter.draft(hidden[:, k], self.head, previous).tokens
+            drafted.append(previous)
+        return torch.stack(drafted, 1).tolist()
 
     @torch.no_grad()
-    def score(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int]]:
-        """Acceptance length and rejected draft token for each (reference index, start) block."""
+    def score(self, blocks: Sequence[tuple[int, int]], every_position: bool = False) -> list[BlockScore]:
+        """Each (reference index, start) block's acceptance length and rejected draft, per walk. every_position: also
+        whether each draft position 1..B-1 matches the reference whatever the positions before it did (teacher-forced,
+        as training measures accuracy); every position then needs the head, not only those still matching."""
         truth = self._truth(blocks)
         # how many tokens R has after each start
         available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=truth.device)
         hidden = self._hidden(blocks, truth)
+        if every_position:
+            return self._accept_every_position(hidden, truth, available)
         return self._accept(hidden, truth, available)
 
     @torch.no_grad()
-    def score_every_position(self, blocks: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], list[list[int]]]:
-        """score(), and for each block whether each draft position 1..B-1 matches the reference whatever the
-        positions before it did (teacher-forced, as training measures accuracy): 1, 0, or -1 where the
-        reference ends before it. Every position needs the head here, not only those still matching."""
-        truth = self._truth(blocks)
-        available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=truth.device)
-        hidden = self._hidden(blocks, truth)
-        drafts = (hidden[:, 1:] @ self.head.T).argmax(-1)  # [N, B-1]
-        hits = (drafts == truth[:, 1:]).long()
-        hits[truth[:, 1:] < 0] = -1
-        # the same acceptance as _accept: the leading matches, and the draft at the first compared mismatch
-        accepted = (hits == 1).long().cumprod(1).sum(1)  # [N]
-        steps = torch.minimum(accepted + 1, available)
-        first = accepted.clamp(max=self.B - 2).unsqueeze(1)
-        compared = (accepted < self.B - 1) & (hits.gather(1, first).squeeze(1) == 0)
-        rejected = torch.where(compared, drafts.gather(1, first).squeeze(1), torch.full_like(accepted, -1))
-        return steps.tolist(), rejected.tolist(), hits.tolist()
-
-    @torch.no_grad()
     def acceptance_probabilities(self, blocks: Sequence[tuple[int, int]], q: Sampling,
-                                 target_probabilities: Sequence[torch.Tensor], every_position: bool = False) -> torch.Tensor:
+                                 target_probabilities: Sequence[torch.Tensor],
+                                 every_position: bool = False) -> AcceptanceRows:
         """a[n, k - 1] = min(1, q(y) / p(y)) for draft position k of block n, y = R[start + k] (0 where R ends
         before it): the probability that a sampled draft there was accepted given that y was emitted
-        (dflash_core.sampled_drafts). Unless every_position, a position after one whose a is 0 is not computed
-        (left 0): no path reaches it. [N, B-1], float64."""
+        (dflash_core.sampled_drafts); q is the drafter's (DFlash2: its selector's, given the token y before it), and
+        for DFlash2 also the unary head's alone. Unless every_position, a position after one whose a is 0 in every
+        walk is not computed (left 0): no path reaches it."""
         truth = self._truth(blocks)
         available = torch.tensor([len(self.tokens[s]) - 1 - p for s, p in blocks], device=truth.device)
         hidden = self._hidden(blocks, truth)
-        a = torch.zeros(len(blocks), self.B - 1, dtype=torch.float64)
-        alive = torch.arange(len(blocks), device=truth.device)
+        N, walks = len(blocks), self.walks
+        a = np.zeros((walks, N, self.B - 1))
+        in_top_k = np.zeros((N, self.B - 1)) if walks > 1 else None
+        alive = [torch.arange(N, device=truth.device) for _ in range(walks)]
         for k in range(1, self.B):
-            alive = alive[available[alive] >= k]
-            if len(alive) == 0:
+            alive = [live[available[live] >= k] for live in alive]
+            rows = _union(alive)
+            if len(rows) == 0:
                 break
-            q_of_y = q.probability_of(self.drafter.logits(hidden[alive, k], self.head), truth[alive, k])
-            p_of_y = torch.tensor([float(target_probabilities[blocks[n][0]][blocks[n][1] + k]) for n in alive.tolist()],
+            drafts = self.drafter.draft(hidden[rows, k], self.head, truth[rows, k - 1], logits=True)
+            y = truth[rows, k]
+            p_of_y = torch.tensor([float(target_probabilities[blocks[n][0]][blocks[n][1] + k]) for n in rows.tolist()],
                                   dtype=torch.float64)
-            a_k = acceptance(q_of_y.double().cpu(), p_of_y)
-            a[alive.cpu(), k - 1] = a_k
+            here = rows.cpu().numpy()
+            a[0, here, k - 1] = acceptance(drafts.probability_of(y, q).double().cpu(), p_of_y).numpy()
+            if walks > 1:
+                assert in_top_k is not None and drafts.candidates is not None
+                a[1, here, k - 1] = acceptance(drafts.argmax_probability_of(y, q).double().cpu(), p_of_y).numpy()
+                in_top_k[here, k - 1] = (drafts.candidates == y[:, None]).any(-1).cpu().numpy()
             if not every_position:
-                alive = alive[(a_k > 0).to(alive.device)]
-        return a
+                alive = [live[torch.from_numpy(a[w, live.cpu().numpy(), k - 1] > 0).to(live.device)]
+                         for w, live in enumerate(alive)]
+        return AcceptanceRows(a[0], a[1] if walks > 1 else None, in_top_k)
 
-    def _accept(self, hidden: torch.Tensor, truth: torch.Tensor,
-                available: torch.Tensor) -> tuple[list[int], list[int]]:
-        """Acceptance length and rejected draft of each block from the drafter's hidden states [N, B, H]."""
-        N, B = hidden.shape[0], self.B
-
-        accepted = torch.zeros(N, dtype=torch.long, device=truth.device)
-        rejected = torch.full((N,), -1, dtype=torch.long, device=truth.device)
-        alive = torch.arange(N, device=truth.device)
+    def _accept(self, hidden: torch.Tensor, truth: torch.Tensor, available: torch.Tensor) -> list[BlockScore]:
+        """Each block's acceptance length and rejected draft per walk, from the drafter's hidden states [N, B, H]."""
+        N, B, device = hidden.shape[0], self.B, truth.device
+        walks = self.walks
+        accepted = torch.zeros(walks, N, dtype=torch.long, device=device)
+        rejected = torch.full((walks, N), -1, dtype=torch.long, device=device)
+        positions = torch.zeros(N, B - 1, len(SELECTOR_COUNTS), dtype=torch.long, device=device) if walks > 1 else None
+        alive = [torch.arange(N, device=device) for _ in range(walks)]
+        row_of = torch.zeros(N, dtype=torch.long, device=device)  # block -> its row among the drafted ones
         k = 1
         while k < B:
-            alive = alive[available[alive] >= k]
-            if len(alive) == 0:
+            alive = [live[available[live] >= k] for live in alive]
+            rows = _union(alive)
+            if len(rows) == 0:
                 break
             # Only blocks still matching need position k's logits. A pass over the [V, H] head reads
             # all of it (2.5 GB at the Qwen3.6 shape), which costs about as much as HEAD_ROWS rows of
             # arithmetic: every block needs position 1, but the few blocks still matching after it
-            # get several next positions' drafts from one pass.
-            width = 1 if k == 1 else min(B - k, max(1, HEAD_ROWS // len(alive)))
-            drafts = (hidden[alive, k:k + width] @ self.head.T).argmax(-1)  # [n_alive, width]
+            # get several next positions' drafts from one pass. Each position is drafted given the reference's
+            # token before it: while a block matches, that is the token drafted there (DFlash2's walk).
+            width = 1 if k == 1 else min(B - k, max(1, HEAD_ROWS // len(rows)))
+            drafts = self.drafter.draft(hidden[rows, k:k + width], self.head, truth[rows, k - 1:k - 1 + width])
+            row_of[rows] = torch.arange(len(rows), device=device)
             for j in range(width):
-                if j:
-                    still = available[alive] >= k + j
-                    alive, drafts = alive[still], drafts[still]
-                    if len(alive) == 0:
-                        break
-                draft = drafts[:, j]
-                match = draft == truth[alive, k + j]
-                accepted[alive[match]] += 1
-                rejected[alive[~match]] = draft[~match]
-                alive, drafts = alive[match], drafts[match]
+                for w in range(walks):
+                    live = alive[w]
+                    live = live[available[live] >= k + j]
+                    guess = (drafts.tokens if w == 0 else drafts.argmax)[row_of[live], j]
+                    match = guess == truth[live, k + j]
+                    accepted[w, live[match]] += 1
+                    rejected[w, live[~match]] = guess[~match]
+                    if w == 0 and positions is not None:
+                        self._count_choices(positions, live, k + j, match, drafts, row_of[live], j, truth, available)
+                    alive[w] = live[match]
             k += width
         steps = torch.minimum(accepted + 1, available)
-        return steps.tolist(), rejected.tolist()
+        return [BlockScore(steps[:, n].tolist(), rejected[:, n].tolist(),
+                           positions=None if positions is None else positions[n].cpu().numpy()) for n in range(N)]
+
+    def _accept_every_position(self, hidden: torch.Tensor, truth: torch.Tensor,
+                               available: torch.Tensor) -> list[BlockScore]:
+        """_accept's answer, and each position's teacher-forced hit, from drafts at every position."""
+        N, B = hidden.shape[0], self.B
+        drafts = self.drafter.draft(hidden[:, 1:], self.head, truth[:, :-1].clamp(min=0))  # [N, B-1]
+        outcomes, hit_rows = [], []
+        for tokens in (drafts.tokens, drafts.argmax)[:self.walks]:
+            hits = (tokens == truth[:, 1:]).long()
+            hits[truth[:, 1:] < 0] = -1
+            # the same acceptance as _accept: the leading matches, and the draft at the first compared mismatch
+            accepted = (hits == 1).long().cumprod(1).sum(1)  # [N]
+            steps = torch.minimum(accepted + 1, available)
+            first = accepted.clamp(max=B - 2).unsqueeze(1)
+            compared = (accepted < B - 1) & (hits.gather(1, first).squeeze(1) == 0)
+            rejected = torch.where(compared, tokens.gather(1, first).squeeze(1), torch.full_like(accepted, -1))
+            outcomes.append((steps, rejected, accepted))
+            hit_rows.append(hits)
+        positions = None
+        if self.walks > 1:
+            positions = torch.zeros(N, B - 1, len(SELECTOR_COUNTS), dtype=torch.long, device=truth.device)
+            accepted = outcomes[0][2]
+            for k in range(1, B):
+                live = torch.nonzero((accepted >= k - 1) & (available >= k)).flatten()  # walk 0 compared position k
+                self._count_choices(positions, live, k, hit_rows[0][live, k - 1] == 1, drafts, live, k - 1, truth,
+                                    available)
+        return [BlockScore([int(o[0][n]) for o in outcomes], [int(o[1][n]) for o in outcomes], hit_rows[0][n].tolist(),
+                           None if positions is None else positions[n].cpu().numpy()) for n in range(N)]
+
+    @staticmethod
+    def _count_choices(positions: torch.Tensor, blocks: torch.Tensor, k: int, match: torch.Tensor, drafts: Drafts,
+                       rows: torch.Tensor, column: int, truth: torch.Tensor, available: torch.Tensor) -> None:
+        """positions[n, k - 1] = SELECTOR_COUNTS of `blocks` at draft position k, whose drafts are drafts[rows, column].
+        A position the reference ends at (k = available) is left out, as metrics.position_counts leaves a clipped
+        last step's last position out."""
+        assert drafts.candidates is not None
+        counted = available[blocks] > k
+        blocks, match, rows = blocks[counted], match[counted], rows[counted]
+        y = truth[blocks, k]
+        positions[blocks, k - 1] = torch.stack([
+            torch.ones_like(y), match.long(), (drafts.argmax[rows, column] == y).long(),
+            (drafts.candidates[rows, column] == y[:, None]).any(-1).long()], dim=-1)
+
+
+def _union(alive: list[torch.Tensor]) -> torch.Tensor:
+    """The blocks alive in any walk (one walk: its own, in its order)."""
+    return alive[0] if len(alive) == 1 else torch.cat(alive).unique()
 
 
 def replay(
@@ -283,12 +389,14 @@ def replay(
     expected accepted drafts per position.
     """
     scorer = BlockScorer(drafter, embed_weight, head_weight, references, features, block_size)
-    results = [ReplayResult() for _ in references]
+    B, walks = scorer.B, scorer.walks
+    results = [ReplayResult(unary=ReplayResult() if walks > 1 else None) for _ in references]
     done = 0
 
-    def run(blocks: list[tuple[int, int]], every_position: bool = False) -> tuple[list, list, list]:
+    def run(blocks: list[tuple[int, int]], score: Callable[[list[tuple[int, int]]], Any]) -> list:
+        """score(batch) over blocks in batches within the budget, concatenated."""
         nonlocal done
-        out: tuple[list, list, list] = ([], [], [])
+        out: list = []
         i = 0
         while i < len(blocks):
             # as many blocks as the budget allows for the longest context in the batch
@@ -296,79 +404,105 @@ def replay(
             while (i + n < len(blocks) and n < max_blocks
                    and (n + 1) * max(p for _, p in blocks[i:i + n + 1]) <= max_context_tokens):
                 n += 1
-            if sampled is not None:  # acceptance probabilities, rows [B-1]
-                out[2].extend(scorer.acceptance_probabilities(blocks[i:i + n], sampled.q, sampled.target_probabilities,
-                                                              every_position).numpy())
-            elif every_position:
-                steps, rejected, hits = scorer.score_every_position(blocks[i:i + n])
-                out[0].extend(steps)
-                out[1].extend(rejected)
-                out[2].extend(hits)
-            else:
-                steps, rejected = scorer.score(blocks[i:i + n])
-                out[0].extend(steps)
-                out[1].extend(rejected)
+            out.extend(score(blocks[i:i + n]))
             i += n
             done += n
             if progress:
                 progress(done)
         return out
 
+    def walk_of(s: int, w: int) -> ReplayResult:
+        unary = results[s].unary
+        assert w == 0 or unary is not None
+        return results[s] if w == 0 else unary  # type: ignore[return-value]
+
+    def every_start(ref: Reference) -> range:
+        return range(ref.prompt_len, ref.end - 1)
+
     if sampled is not None:
-        blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, ref.end - 1)]
-        rows = run(blocks, every_position=all_positions)[2]
+        blocks = [(s, p) for s, ref in enumerate(references) for p in every_start(ref)]
+        rows = run(blocks, lambda batch: _rows(scorer.acceptance_probabilities(batch, sampled.q, sampled.target_probabilities,
+                                                                               all_positions)))
         first_row = 0
         for s, ref in enumerate(references):
-            res, length = results[s], len(ref.token_ids)
-            a = np.array(rows[first_row:first_row + ref.end - 1 - ref.prompt_len]).reshape(-1, scorer.B - 1)
-            first_row += ref.end - 1 - ref.prompt_len
-            res.expected = expected_steps(a, ref.prompt_len, ref.end, length, scorer.B)
-            res.starts, res.acceptance_lengths = coin_steps(a, ref.prompt_len, ref.end, length, scorer.B,
-                                                            sampled.seeds[s])
-            res.rejected_drafts = [-1] * len(res.starts)
+            length, n = len(ref.token_ids), len(every_start(ref))
+            mine = rows[first_row:first_row + n]
+            first_row += n
+            planes = [np.array([row[w] for row in mine]).reshape(-1, B - 1) for w in range(walks)]
+            for w, a in enumerate(planes):
+                res = walk_of(s, w)
+                res.expected = expected_steps(a, ref.prompt_len, ref.end, length, B)
+                # the same coins for both walks: their difference is the drafts', not the coins'
+                res.starts, res.acceptance_lengths = coin_steps(a, ref.prompt_len, ref.end, length, B, sampled.seeds[s])
+                res.rejected_drafts = [-1] * len(res.starts)
+            res, a = results[s], planes[0]
             if all_positions:
                 available = length - 1 - np.arange(ref.prompt_len, ref.end - 1)
-                res.all_positions = [sum(step * p for step, p in step_distribution(row, int(left), scorer.B))
+                res.all_positions = [sum(step * p for step, p in step_distribution(row, int(left), B))
                                      for row, left in zip(a, available)]
-                res.position_hits = [(float(a[:, k].sum()), int((available > k).sum())) for k in range(scorer.B - 1)]
+                res.position_hits = [(float(a[:, k].sum()), int((available > k).sum())) for k in range(B - 1)]
+            if walks > 1:
+                in_top_k = np.array([row[2] for row in mine]).reshape(-1, B - 1)
+                reach = position_reach(a, ref.prompt_len, ref.end, length, B)
+                res.selector_positions = [[float(reach[:, k].sum()), *(float((reach[:, k] * x[:, k]).sum())
+                                                                       for x in (a, planes[1], in_top_k))]
+                                          for k in range(B - 1)]
         return results
+
+    def record(s: int, w: int, p: int, outcome: BlockScore) -> None:
+        """Walk w of reference s takes the step of the block it scored at p."""
+        res = walk_of(s, w)
+        res.starts.append(p)
+        res.acceptance_lengths.append(outcome.steps[w])
+        res.rejected_drafts.append(outcome.rejected[w])
+        if w == 0 and outcome.positions is not None:
+            counts = results[s].selector_positions
+            results[s].selector_positions = (outcome.positions.tolist() if counts is None
+                                             else (np.array(counts) + outcome.positions).tolist())
 
     if all_positions:
-        blocks = [(s, p) for s, ref in enumerate(references) for p in range(ref.prompt_len, ref.end - 1)]
-        steps, rejected, hits = run(blocks, every_position=True)
-        by_block = {b: (a, r) for b, a, r in zip(blocks, steps, rejected)}
-        for res in results:
-            res.position_hits = [(0, 0)] * (scorer.B - 1)
-        for (s, _), block_hits in zip(blocks, hits):
-            counts = results[s].position_hits
-            assert counts is not None
-            for k, hit in enumerate(block_hits):
-                if hit >= 0:
-                    counts[k] = (counts[k][0] + hit, counts[k][1] + 1)
+        blocks = [(s, p) for s, ref in enumerate(references) for p in every_start(ref)]
+        by_block = dict(zip(blocks, run(blocks, lambda batch: scorer.score(batch, every_position=True))))
         for s, ref in enumerate(references):
             res = results[s]
-            res.all_positions = [by_block[(s, p)][0] for p in range(ref.prompt_len, ref.end - 1)]
-            p = ref.prompt_len
-            while p + 1 < ref.end:
-                a, r = by_block[(s, p)]
-                res.starts.append(p)
-                res.acceptance_lengths.append(a)
-                res.rejected_drafts.append(r)
-                p += a
+            res.all_positions = [by_block[(s, p)].steps[0] for p in every_start(ref)]
+            counts = [(0, 0)] * (B - 1)
+            for p in every_start(ref):
+                for k, hit in enumerate(by_block[(s, p)].hits or ()):
+                    if hit >= 0:
+                        counts[k] = (counts[k][0] + hit, counts[k][1] + 1)
+            res.position_hits = counts
+            for w in range(walks):
+                p = ref.prompt_len
+                while p + 1 < ref.end:
+                    record(s, w, p, by_block[(s, p)])
+                    p += by_block[(s, p)].steps[w]
         return results
 
-    # decode mode: every unfinished reference advances one step per batch
-    frontier = {s: ref.prompt_len for s, ref in enumerate(references) if ref.prompt_len + 1 < ref.end}
+    # decode mode: every unfinished reference advances one step per batch (DFlash2: its unary walk too, each block
+    # scored once for both walks)
+    frontier = {(s, w): ref.prompt_len for s, ref in enumerate(references) if ref.prompt_len + 1 < ref.end
+                for w in range(walks)}
+    scored: dict[tuple[int, int], BlockScore] = {}
     while frontier:
-        blocks = sorted(frontier.items(), key=lambda b: b[1])  # similar context lengths batch together
-        steps, rejected, _ = run(blocks)
-        for (s, p), a, r in zip(blocks, steps, rejected):
-            res = results[s]
-            res.starts.append(p)
-            res.acceptance_lengths.append(a)
-            res.rejected_drafts.append(r)
-            if p + a + 1 < references[s].end:
-                frontier[s] = p + a
+        blocks = sorted({(s, p) for (s, _), p in frontier.items()} - set(scored), key=lambda b: (b[1], b[0]))
+        scored.update(zip(blocks, run(blocks, scorer.score)))  # similar context lengths batch together
+        for (s, w), p in list(frontier.items()):
+            outcome = scored[(s, p)]
+            record(s, w, p, outcome)
+            if p + outcome.steps[w] + 1 < references[s].end:
+                frontier[(s, w)] = p + outcome.steps[w]
             else:
-                del frontier[s]
+                del frontier[(s, w)]
+        # a block before every walk's next start is never needed again
+        nearest: dict[int, int] = {}
+        for (s, _), p in frontier.items():
+            nearest[s] = min(p, nearest.get(s, p))
+        scored = {(s, p): o for (s, p), o in scored.items() if s in nearest and p >= nearest[s]}
     return results
+
+
+def _rows(rows: AcceptanceRows) -> list[tuple[np.ndarray, ...]]:
+    """Per block: its acceptance probabilities per walk, then (DFlash2) whether its reference tokens were candidates."""
+    planes = [rows.drafts] + ([rows.unary, rows.in_top_k] if rows.unary is not None else [])
+    return list(zip(*planes))

@@ -124,6 +124,27 @@ def expected_steps(a: np.ndarray, prompt_len: int, end: int, length: int, block_
                          clipped=clipped)
 
 
+def position_reach(a: np.ndarray, prompt_len: int, end: int, length: int, block_size: int) -> np.ndarray:
+    """r[s - prompt_len, k - 1]: the probability, over the acceptance coins given the reference, that a decode step
+    starts at s and compares its draft position k (its first k - 1 drafts accepted). As in expected_steps, a last
+    step's position k where the reference ends (k = the tokens left) is left out. a as expected_steps takes it."""
+    first, B = prompt_len, block_size
+    visits = np.zeros(end - first)  # P(a step starts at s)
+    visits[0] = 1.0 if first + 1 < end else 0.0
+    reach = np.zeros_like(a)
+    for s in range(first, end - 1):
+        v = visits[s - first]
+        if v == 0:
+            continue
+        available = length - 1 - s
+        counted = min(B - 1, available - 1)  # positions k < available
+        reach[s - first, :counted] = v * np.concatenate([[1.0], np.cumprod(a[s - first, :counted - 1])])[:counted]
+        for step, p in step_distribution(a[s - first], available, B):
+            if s + step + 1 < end:
+                visits[s + step - first] += v * p
+    return reach
+
+
 def coin_seed(seed: int, reference: str) -> int:
     """The seed of one reference's acceptance coins: from the run's seed and the reference's id, so that a
     reference's coins are the same whatever group or process replays it."""

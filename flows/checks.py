@@ -129,6 +129,9 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
         try:
             configs[which] = config = _read_drafter_source(source, tokenizer, drafter_config=config_file,
                                                            **fetch_options)
+        except DrafterError as e:  # (the message names the file)
+            raise InputError(f"{which}: {e}") from None
+        try:
             check_compatible(config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
         except DrafterError as e:
             raise InputError(f"{which} {source} does not fit target {target}: {e}") from None

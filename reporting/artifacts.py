@@ -30,6 +30,7 @@ from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import Stage
 
 from .history import Group, HistoryRow, find_group, history, paired_interval
+from .selector import count, selector_lines, selector_positions, share
 from .training_side import TrainingSide, side_of
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
@@ -129,17 +130,23 @@ def tau_chart(group: Group, this: HistoryRow | None) -> list[str]:
 
 
 def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
-    """One row per scored checkpoint of a series, in history order (by step), then its baselines; with its
-    training run's side, what the trainer logged at each step and the alarm's flags."""
+    """One row per scored checkpoint of a series, in history order (by step), then its baselines; where some row is
+    a DFlash2 drafter's, its unary head's tau and the selector's lift; with its training run's side, what the
+    trainer logged at each step and the alarm's flags."""
     rows = []
     mine = {id(r) for r in side.rows} if side else set()
     top = max(r.tau_macro for r in group.rows)
+    selector = any(r.unary_tau_macro is not None for r in group.rows)  # DFlash2 checkpoints among them
     for row in group.rows:
         ci = row.tau_macro_ci95
         table = {"checkpoint": row.label, "step": "-" if row.step is None else str(row.step),
                  "tau macro": f"{row.tau_macro:.3f}", "tau (bar from 1)": bar(row.tau_macro, top),
                  "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
-                 "tau pooled": f"{row.tau_pooled:.3f}", "verdict": row.mark}
+                 "tau pooled": f"{row.tau_pooled:.3f}"}
+        if selector:
+            table["unary head tau"] = "-" if row.unary_tau_macro is None else f"{row.unary_tau_macro:.3f}"
+            table["selector lift"] = "-" if row.selector_lift is None else f"{row.selector_lift:+.3f}"
+        table["verdict"] = row.mark
         if side is not None:
             implied = side.implied(row) if id(row) in mine else None
             table["trainer implies"] = f"{implied[0]:.2f}" if implied else "-"
@@ -195,6 +202,18 @@ def score_table(results: dict) -> list[dict]:
             value += f" (95% CI {ci[0]:.2f}-{ci[1]:.2f}"
             value += f"; {counts['accepted'][k - 1]} of {counts['reached'][k - 1]} blocks)" if counts else ")"
         rows.append((f"P(position {k} accepted | earlier accepted)", value))
+    if selector := results.get("selector"):
+        unary, lift = selector["unary_tau_macro_ci95"], selector["lift_ci95"]
+        reached = "expected reached" if results["served"]["draft_sample_method"] != "greedy" else "reached"
+        rows += [("unary head alone: tau macro", f"{selector['unary_tau_macro']:.3f}"),
+                 ("unary head alone: tau macro 95% CI", f"{unary[0]:.3f} - {unary[1]:.3f}"),
+                 ("unary head alone: tau pooled", f"{selector['unary_tau_pooled']:.3f}"),
+                 ("selector lift (tau macro minus the unary head's)", f"{selector['lift']:+.3f}"),
+                 ("selector lift paired 95% CI", f"{lift[0]:+.3f} to {lift[1]:+.3f}")]
+        rows += [(f"position {p.k}: selector's draft accepted / head's argmax would have been / reference among "
+                  "the K candidates",
+                  f"{share(p.selector_accuracy)} / {share(p.argmax_accuracy)} / {share(p.candidate_recall)} "
+                  f"({count(p.reached)} {reached})") for p in selector_positions(selector)]
     rows += [(f"tau on {category}", f"{tau:.3f}") for category, tau in results["tau_by_category"].items()]
     rows += [(f"speedup upper bound, drafter costs {c} target forwards (verifying a block as cheap as a decode step)",
               f"{x:.2f}x") for c, x in results["projected_speedup"].items()]
@@ -221,6 +240,8 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
              "", f"**tau {results['tau_macro']:.3f}** (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
              f"block {results['block_size']}, {results['n_scored_prompts']} prompts"
              + ("" if results["served"]["label"] == "greedy" else f", {results['served']['label']}"), ""]
+    if "selector" in results:
+        lines += selector_markdown(results["selector"], results["served"]["draft_sample_method"] != "greedy")
     if found is None:
         lines.append("No history for this checkpoint (its store entries were removed).")
     else:
@@ -277,6 +298,16 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     if reruns:
         lines += ["", "Rerun one stage of this checkpoint:", "", "```", *rerun_commands(results), "```"]
     return "\n".join(lines)
+
+
+def selector_markdown(selector: dict, sampled: bool) -> list[str]:
+    """The summary's lines on a DFlash2 drafter's selector (reporting.selector): against its unary head alone, then
+    per draft position."""
+    unary, shares = (f"{line[0].upper()}{line[1:]}." for line in selector_lines(selector, sampled))
+    lines = [unary, "", shares, "", "| draft position | reached | selector | argmax | recall |", "|---|---|---|---|---|"]
+    lines += [f"| {p.k} | {count(p.reached)} | {share(p.selector_accuracy)} | {share(p.argmax_accuracy)} | "
+              f"{share(p.candidate_recall)} |" for p in selector_positions(selector)]
+    return [*lines, ""]
 
 
 def training_markdown(training: dict | None) -> list[str]:

@@ -64,6 +64,10 @@ class HistoryRow:
     per_reference: tuple[tuple[str, str, float], ...] = ()
     # all-positions mode: each draft position's accuracy whatever came before it (as training measures it)
     teacher_forced_accuracy: tuple[float | None, ...] | None = None
+    # DFlash2: the tau its unary head's argmax alone reaches, and tau_macro minus it (what its candidate selector
+    # adds: scores.json's `selector`); None for other drafters
+    unary_tau_macro: float | None = None
+    selector_lift: float | None = None
     merged_scores: tuple[str, ...] = ()  # the other scores entries of the same checkpoint this row stands for
     best: bool = False  # the best candidate of its group
     regression: bool = False  # worse than the best earlier step's (the module docstring)
@@ -160,6 +164,8 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
                                 if p.get("tau") is not None),
             teacher_forced_accuracy=tuple(scores["teacher_forced_accuracy"]) if "teacher_forced_accuracy" in scores
             else None,
+            unary_tau_macro=scores["selector"]["unary_tau_macro"] if "selector" in scores else None,
+            selector_lift=scores["selector"]["lift"] if "selector" in scores else None,
         )
         same = next((r for r in rows if r.checkpoint == row.checkpoint), None)
         if same is not None:  # scored in decode and in all-positions mode: the same decode path, keep the richer

@@ -11,6 +11,10 @@ reporting.history) the report shows:
 - for the newest `last` checkpoints and the baselines: the conditional acceptance of each draft position
   k (where inside the block the drafter loses its way) beside the cumulative curve P(positions 1..k all
   accepted), the acceptance-length histogram, and tau per prompt category;
+- for DFlash2 drafters (scores.json's `selector`): the tau of the unary head alone beside tau in the table and
+  over training steps (dashed), and for the shown checkpoints, per draft position, how often the candidate
+  selector's draft was accepted, the head's argmax would have been, and the reference's token was among the K
+  candidates (reporting.selector);
 - for each checkpoint with a `diagnostics` store entry: tau with each target layer's features zeroed
   (which layers the drafter relies on), tau with the target layers shifted by an offset (whether the
   drafter reads the layers it was trained on), tau with the other sliding-layer semantics, and the first
@@ -25,8 +29,6 @@ loads nothing, so it can be mailed or attached as it is. `report.md` shows the p
 
 import base64
 import functools
-import io
-import math
 import os
 import re
 from dataclasses import dataclass
@@ -34,25 +36,26 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from matplotlib import colormaps
-from matplotlib.artist import Artist
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.container import ErrorbarContainer
-from matplotlib.figure import Figure
-from matplotlib.ticker import MaxNLocator
-from matplotlib.typing import ColorType
 
 from dflash_eval.reporting.history import Group, HistoryRow, history
+from dflash_eval.reporting.plots import (
+    ablation_plot,
+    acceptance_plot,
+    histogram_plot,
+    name_of,
+    offset_plot,
+    row_colors,
+    selector_plot,
+    tau_plot,
+)
+from dflash_eval.reporting.selector import ShownSelector, count, share
 from dflash_eval.reporting.training_side import TrainingSide, training_sides
 from dflash_eval.storage import EntryMissing, Store, read_json
 from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import DIAGNOSTICS_FILE, DiagnosticsRecord, DraftsRecord, Stage
 
 TEMPLATES = Path(__file__).parent / "templates"  # installed with the package (pyproject.toml package-data)
-DPI = 110
 # Baselines keep one colour across all plots; red is left for regressions.
-BASELINE_COLORS = ("tab:orange", "tab:gray", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
-RUN_COLORS = ("tab:blue", "tab:green", "tab:purple")  # training runs in the tau-by-step plot
 TAU_PLOT = "-tau-by-step"  # a group's tau-by-step plot: img/group<N>-tau-by-step.png
 
 
@@ -116,6 +119,7 @@ class GroupSection:
     n_prompts: int | None
     block_sizes: list[int]
     all_positions: bool  # some row has an all-positions tau: the table shows the column
+    selector: bool  # some row is a DFlash2 drafter's: the table shows its unary head's tau and the lift
     newest: HistoryRow | None  # the last candidate in history order
     speedup: dict[str, float]  # speedup upper bound of the newest, {drafter cost c: tau / (1 + c)}; {}: none
     tau_plot: Plot | None  # None: no checkpoint has a training step
@@ -123,6 +127,8 @@ class GroupSection:
     histogram_plot: Plot
     shown: list[HistoryRow]  # the newest `last` candidates and the baselines: the curves and the category table
     categories: list[CategoryTau]
+    selectors: list[ShownSelector]  # the shown rows that are DFlash2 drafters'
+    selector_plot: Plot | None  # their shares by draft position; None: no shown row has a selector
     diagnostics: list[DiagnosticsSection]
     training: list[TrainingSide]  # each training run of the group's checkpoints with a log, beside it
 
@@ -132,7 +138,7 @@ class GroupSection:
 
     def plots(self) -> list[Plot]:
         """Every plot of the section."""
-        plots = [self.tau_plot, self.acceptance_plot, self.histogram_plot]
+        plots = [self.tau_plot, self.acceptance_plot, self.histogram_plot, self.selector_plot]
         plots += [p for d in self.diagnostics for p in (d.ablation, d.offset_probe)]
         return [p for p in plots if p is not None]
 
@@ -268,7 +274,7 @@ def _environment(autoescape: bool) -> Environment:
     environment = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=autoescape, undefined=StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True)
     environment.filters.update(counted=_count, decimals=_decimals, percent=_percent, fence=_fence,
-                               md_cell=_markdown_cell, name=_name, squash=_squash)
+                               md_cell=_markdown_cell, name=name_of, squash=_squash, share=share, count=count)
     return environment
 
 
@@ -304,8 +310,9 @@ def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple
     # newest = last in history order, the order the table, the curves and the artifacts use
     newest = group.candidates[-1] if group.candidates else None
     shown = group.candidates[-last:] + group.baselines
-    colors = _colors(shown)
+    colors = row_colors(shown)
     stepped = any(r.step is not None for r in group.candidates)
+    selectors = [ShownSelector(row, scores[row.scores]["selector"]) for row in shown if "selector" in scores[row.scores]]
     sections = []
     for row in group.rows:
         report = diagnostics.get((group.features, group.sliding_semantics, row.checkpoint))
@@ -316,15 +323,19 @@ def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple
         n_prompts=scores[group.rows[0].scores].get("n_prompts"),  # the same references for every row
         block_sizes=sorted({s.get("block_size") for s in scores.values()} - {None}),
         all_positions=any(row.all_positions_tau is not None for row in group.rows),
+        selector=any(row.unary_tau_macro is not None for row in group.rows),
         newest=newest,
         speedup=(scores[newest.scores].get("projected_speedup") or {}) if newest is not None else {},
-        tau_plot=Plot(f"{anchor}{TAU_PLOT}", "tau macro by training step", _tau_plot(group)) if stepped else None,
+        tau_plot=Plot(f"{anchor}{TAU_PLOT}", "tau macro by training step", tau_plot(group)) if stepped else None,
         acceptance_plot=Plot(f"{anchor}-position-acceptance", "acceptance by draft position",
-                             _acceptance_plot(shown, scores, colors)),
+                             acceptance_plot(shown, scores, colors)),
         histogram_plot=Plot(f"{anchor}-acceptance-lengths", "acceptance-length histogram",
-                            _histogram_plot(shown, scores, colors)),
+                            histogram_plot(shown, scores, colors)),
         shown=shown,
         categories=_categories(shown, scores),
+        selectors=selectors,
+        selector_plot=Plot(f"{anchor}-selector", "candidate selector by draft position",
+                           selector_plot(selectors, colors)) if selectors else None,
         diagnostics=sections,
         training=training,
     )
@@ -343,9 +354,9 @@ def _diagnostics_section(row: HistoryRow, report: dict, prefix: str) -> Diagnost
     probe = report.get("layer_offset_probe") or []
     ablation = offset_probe = None
     if report.get("layer_ablation"):
-        ablation = Plot(f"{prefix}-ablation", "layer ablation", _ablation_plot(report, tau))
+        ablation = Plot(f"{prefix}-ablation", "layer ablation", ablation_plot(report, tau))
     if any(p["tau_macro"] is not None for p in probe):
-        offset_probe = Plot(f"{prefix}-offset-probe", "layer offset probe", _offset_plot(probe, tau))
+        offset_probe = Plot(f"{prefix}-offset-probe", "layer offset probe", offset_plot(probe, tau))
     return DiagnosticsSection(
         row=row, tau=tau, layer_ids=report.get("layer_ids"), num_target_layers=report.get("num_target_layers"),
         ablation=ablation, offset_probe=offset_probe,
@@ -374,11 +385,6 @@ def _percent(x: float) -> str:
     return f"{x:.0%}"
 
 
-def _name(row: HistoryRow) -> str:
-    """How a checkpoint is called in legends and table headers."""
-    return f"{row.label} (baseline)" if row.baseline else row.label
-
-
 def _squash(text: str) -> str:
     # a paragraph's template lines as one line; type(text) keeps autoescaped Markup as Markup
     return type(text)(" ").join(text.split())
@@ -393,183 +399,6 @@ def _fence(text: str) -> str:
     return "`" * max(3, 1 + max((len(run) for run in re.findall(r"`+", text)), default=0))
 
 
-# ------------------------------------------------------------------ plots
-
-
 def _slug(row: HistoryRow) -> str:
     # file names stay readable (the label) and unique (the scores key)
     return re.sub(r"[^A-Za-z0-9_.-]+", "-", row.label).strip("-") + "-" + row.scores[:8]
-
-
-def _colors(shown: list[HistoryRow]) -> dict[str, ColorType]:
-    """scores key -> colour: candidates from light (older) to dark (newest), baselines their own colours."""
-    candidates = [r for r in shown if not r.baseline]
-    colors: dict[str, ColorType] = {}
-    for i, row in enumerate(candidates):
-        colors[row.scores] = colormaps["viridis"](0.8 - 0.7 * i / max(1, len(candidates) - 1))
-    for i, row in enumerate(r for r in shown if r.baseline):
-        colors[row.scores] = BASELINE_COLORS[i % len(BASELINE_COLORS)]
-    return colors
-
-
-def _legend_columns(labels: list[str], width_inches: float) -> int:
-    """As many legend columns as fit across the figure: a legend wider than the figure is cut off."""
-    characters = width_inches * 12  # about 12 characters of 10 pt text per inch
-    return max(1, min(len(labels), int(characters // (max(map(len, labels)) + 6))))  # + the handle and the gap
-
-
-def _png(fig: Figure) -> bytes:
-    FigureCanvasAgg(fig)  # render with Agg, whatever backend pyplot may have been set to elsewhere
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=DPI)
-    return buffer.getvalue()
-
-
-def _tau_plot(group: Group) -> bytes:
-    fig = Figure(figsize=(9, 4.5), dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    stepped = [r for r in group.candidates if r.step is not None]
-    # checkpoints of different training runs (source folders) are separate lines, not one zigzag
-    runs: dict[str, list[HistoryRow]] = {}
-    for row in stepped:
-        runs.setdefault(str(Path(row.source.rstrip("/")).parent), []).append(row)
-    handles: list[Artist | ErrorbarContainer] = []  # in the legend's order
-    for i, (run, rows) in enumerate(runs.items()):
-        taus = [r.tau_macro for r in rows]
-        errors = [[t - r.tau_macro_ci95[0] if r.tau_macro_ci95 else 0 for t, r in zip(taus, rows)],
-                  [r.tau_macro_ci95[1] - t if r.tau_macro_ci95 else 0 for t, r in zip(taus, rows)]]
-        label = "tau macro, 95% CI" if len(runs) == 1 else f"{Path(run).name}: tau macro, 95% CI"
-        handles.append(ax.errorbar(_steps(rows), taus, yerr=errors, marker="o", capsize=4,
-                                   color=RUN_COLORS[i % len(RUN_COLORS)], label=label))
-    best = group.best
-    if best is not None and best.step is not None:
-        label = f"best: step {best.step} ({best.tau_macro:.2f})"
-        handles.append(ax.scatter([best.step], [best.tau_macro], marker="*", s=320, color="gold",
-                                  edgecolor="black", zorder=6, label=label))
-    regressions = [r for r in stepped if r.regression]
-    if regressions:
-        handles.append(ax.scatter(_steps(regressions), [r.tau_macro for r in regressions], s=90,
-                                  color="red", zorder=5, label="regression"))
-    for i, row in enumerate(group.baselines):
-        color = BASELINE_COLORS[i % len(BASELINE_COLORS)]
-        handles.append(ax.axhline(row.tau_macro, color=color, linestyle="--",
-                                  label=f"baseline {row.label} ({row.tau_macro:.2f})"))
-        if row.tau_macro_ci95:
-            ax.axhspan(*row.tau_macro_ci95, color=color, alpha=0.12)
-    steps = sorted(set(_steps(stepped)))
-    if len(steps) <= 12:
-        ax.set_xticks(steps)
-    ax.set_xlabel("training step")
-    ax.set_ylabel("tau macro (tokens per target step)")
-    ax.set_title("Acceptance length over training")
-    ax.grid(alpha=0.3)
-    # outside the axes: it never covers a point
-    fig.legend(handles=handles, loc="outside lower center",
-               ncols=min(2, _legend_columns([str(h.get_label()) for h in handles], 9)))
-    return _png(fig)
-
-
-def _steps(rows: list[HistoryRow]) -> list[int]:
-    """The training steps of `rows`, which all have one: the filter drops nothing, it tells the type checker so."""
-    return [r.step for r in rows if r.step is not None]
-
-
-def _acceptance_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: dict) -> bytes:
-    fig = Figure(figsize=(12, 4.5), dpi=DPI, layout="constrained")
-    conditional, cumulative = fig.subplots(1, 2, sharex=True)
-    for row in shown:
-        found = scores[row.scores]
-        rates = [math.nan if p is None else p for p in found.get("position_acceptance", [])]
-        # NaN (no step reached that position) propagates: the cumulative curve is unknown from there on
-        together, product = [], 1.0
-        for rate in rates:
-            product *= rate
-            together.append(product)
-        positions = range(1, len(rates) + 1)
-        style = dict(color=colors[row.scores], marker="o", linestyle="--" if row.baseline else "-")
-        conditional.plot(positions, rates, label=_name(row), **style)
-        cumulative.plot(positions, together, **style)
-        # its 95% interval as a band (scores from before they were kept have none)
-        intervals = [(math.nan, math.nan) if ci is None else ci for ci in found.get("position_acceptance_ci95", [])]
-        if intervals:
-            conditional.fill_between(positions, [lo for lo, _ in intervals], [hi for _, hi in intervals],
-                                     color=colors[row.scores], alpha=0.15, linewidth=0)
-    # how many blocks each rate of the newest checkpoint comes from: a rate from a handful is a guess
-    reached = scores[shown[-1].scores].get("position_counts", {}).get("reached", []) if shown else []
-    for k, n in enumerate(reached, start=1):
-        conditional.annotate(f"{n}", (k, 0.02), ha="center", fontsize=7, color="0.35")
-    if reached:
-        conditional.text(0.01, 0.07, f"blocks reaching each position ({_name(shown[-1])}); bands: 95% CI",
-                         transform=conditional.transAxes, fontsize=7, color="0.35")
-    conditional.set(title="Conditional acceptance by draft position", xlabel="draft position k",
-                    ylabel="P(k accepted | 1..k-1 accepted)", ylim=(0, 1.03))
-    cumulative.set(title="Cumulative acceptance", xlabel="draft position k",
-                   ylabel="P(positions 1..k all accepted)", ylim=(0, 1.03))
-    for ax in (conditional, cumulative):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=16))  # every position up to block size 16
-        ax.grid(alpha=0.3)
-    fig.legend(loc="outside lower center", ncols=_legend_columns([_name(row) for row in shown], 12))
-    return _png(fig)
-
-
-def _histogram_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: dict) -> bytes:
-    fig = Figure(figsize=(10, 4.5), dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    width = 0.8 / len(shown)
-    longest = 1
-    for i, row in enumerate(shown):
-        counts = {int(length): n for length, n in scores[row.scores].get("histogram", {}).items()}
-        total = sum(counts.values()) or 1
-        lengths = sorted(counts)
-        longest = max([longest, *lengths])
-        ax.bar([length - 0.4 + width * (i + 0.5) for length in lengths], [counts[n] / total for n in lengths],
-               width, color=colors[row.scores], hatch="//" if row.baseline else None, edgecolor="white",
-               linewidth=0.5, label=_name(row))
-    ax.set_xticks(range(1, longest + 1))
-    ax.set_xlabel("acceptance length (tokens emitted by one target step)")
-    ax.set_ylabel("fraction of target steps")
-    ax.set_title("Acceptance-length distribution")
-    ax.grid(axis="y", alpha=0.3)
-    fig.legend(loc="outside lower center", ncols=_legend_columns([_name(row) for row in shown], 10))
-    return _png(fig)
-
-
-def _ablation_plot(report: dict, tau: float) -> bytes:
-    ablation = report["layer_ablation"]
-    labels = ["none"] + [f"layer {a['layer_id']}" for a in ablation] + ["all layers"]
-    values = [tau] + [a["tau_macro"] for a in ablation] + [report.get("all_layers_ablated", math.nan)]
-    colors = ["tab:blue"] + ["tab:purple"] * len(ablation) + ["tab:red"]
-    fig = Figure(figsize=(max(6, 1.1 * len(labels) + 2), 4.5), dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    known = [v is not None and not math.isnan(v) for v in values]
-    bars = ax.bar(labels, [v if k else 0 for v, k in zip(values, known)], color=colors)
-    ax.bar_label(bars, [f"{v:.2f}" if k else "n/a" for v, k in zip(values, known)], padding=2)
-    ax.axhline(1, color="black", linestyle=":", label="tau = 1 (no draft accepted)")
-    # headroom above the tallest bar keeps the legend clear of the bars and their labels
-    ax.set_ylim(0, max([v for v, k in zip(values, known) if k] + [1]) * 1.3)
-    ax.set_xlabel("target layer whose features are zeroed")
-    ax.set_ylabel("tau macro")
-    ax.set_title("Layer ablation")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(loc="upper right")
-    return _png(fig)
-
-
-def _offset_plot(probe: list[dict], tau: float) -> bytes:
-    probed = [p for p in probe if p["tau_macro"] is not None]
-    # tick labels list the layers read: give each tick room for five of them
-    fig = Figure(figsize=(max(7, 1.6 * len(probed) + 1), 4.5), dpi=DPI, layout="constrained")
-    ax = fig.add_subplot()
-    ax.margins(x=0.1)
-    ax.plot([p["offset"] for p in probed], [p["tau_macro"] for p in probed], marker="o", color="tab:blue")
-    ax.scatter([0], [tau], s=160, color="tab:green", edgecolor="black", zorder=5,
-               label=f"offset 0: the drafter's layers ({tau:.2f})")
-    ax.set_xticks([p["offset"] for p in probed],
-                  [f"{p['offset']:+d}\n{p.get('layer_ids', '')}" for p in probed])
-    ax.set_xlabel("layer offset (and the target layers read)")
-    ax.set_ylabel("tau macro")
-    ax.set_ylim(0, max(p["tau_macro"] for p in probed) * 1.3)  # headroom for the legend
-    ax.set_title("Layer offset probe")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="upper center")
-    return _png(fig)

@@ -11,7 +11,11 @@ Scalars, at each checkpoint's training step, under PREFIX (greedy at the drafter
 PREFIX/<setting> (a sampled setting, a chosen block size: dflash_core.sampling.Served's label, "greedy, blocks of 4"):
 tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high, all_positions_tau (when scored),
 acceptance_at_position/<k> (P(position k accepted | earlier ones accepted)), teacher_forced_accuracy/<k>
-(scored with --all-positions), and, where the trainer's log implies one, trainer_implied_acceptance. The gap alarm's flags are text, PREFIX/flags.
+(scored with --all-positions), and, where the trainer's log implies one, trainer_implied_acceptance. A DFlash2
+drafter adds its candidate selector against its unary head alone (dflash_core.metrics.selector_summary):
+selector/unary_tau_macro (the tau of the head's argmax alone), selector/lift (tau_macro minus it), and per draft
+position selector/selector_accuracy/<k>, selector/argmax_accuracy/<k>, selector/candidate_recall/<k> (where a
+decode step reached k). The gap alarm's flags are text, PREFIX/flags.
 
 With a tracking URI (--mlflow), the same points go to an MLflow run of ours (experiment "dflash-eval", one
 run per training run, tagged with it), rewritten the same way: a new run, then the old one deleted.
@@ -29,6 +33,7 @@ from dflash_eval.reporting.training_log import TRACKER_SUFFIX, read_training_log
 from dflash_eval.storage import read_json
 
 from .history import Group
+from .selector import SHARES
 from .training_side import TrainingSide, holds_training_log, training_run_of, training_sides
 
 PREFIX = "dflash_eval"
@@ -157,6 +162,12 @@ def _scalars(row, scores: dict, side: TrainingSide | None) -> dict[str, float]:
     for k, a in enumerate(row.teacher_forced_accuracy or (), start=1):
         if a is not None:
             values[f"teacher_forced_accuracy/{k}"] = a
+    if selector := scores.get("selector"):  # a DFlash2 drafter: its candidate selector against its unary head alone
+        values["selector/unary_tau_macro"], values["selector/lift"] = selector["unary_tau_macro"], selector["lift"]
+        for name in SHARES:
+            for k, share in enumerate(selector[name], start=1):
+                if share is not None:
+                    values[f"selector/{name}/{k}"] = share
     if side is not None and (implied := side.implied(row)) is not None:
         values["trainer_implied_acceptance"] = implied[0]
     return values

@@ -69,12 +69,22 @@ def replay_groups(n: int, group_size: int = PROMPTS_PER_GROUP) -> list[tuple[int
 
 def per_prompt_items(items, results) -> list[dict]:
     """drafts.json's `per_prompt` items of these references (ReferenceItem) and their ReplayResults: with sampled
-    drafts, `expected` holds the steps in expectation over the acceptance coins, and the steps one draw of them."""
+    drafts, `expected` holds the steps in expectation over the acceptance coins, and the steps one draw of them; a
+    DFlash2 drafter's also hold `unary`, its unary head's own steps (alike), and `selector_positions`
+    (dflash_core.metrics.SELECTOR_COUNTS per draft position)."""
     return [{"id": i.id, "starts": r.starts, "acceptance_lengths": r.acceptance_lengths,
              "rejected_drafts": r.rejected_drafts, "all_positions": r.all_positions,
              **({"position_hits": r.position_hits} if r.position_hits is not None else {}),
-             **({"expected": asdict(r.expected)} if r.expected is not None else {})}
+             **({"expected": asdict(r.expected)} if r.expected is not None else {}),
+             **({"unary": _steps(r.unary), "selector_positions": r.selector_positions} if r.unary is not None else {})}
             for i, r in zip(items, results)]
+
+
+def _steps(result) -> dict:
+    """The decode steps of a ReplayResult, as drafts.json holds them."""
+    return {"starts": result.starts, "acceptance_lengths": result.acceptance_lengths,
+            "rejected_drafts": result.rejected_drafts,
+            **({"expected": asdict(result.expected)} if result.expected is not None else {})}
 
 
 @task(name="drafts", cache_policy=NONE, persist_result=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from dflash_core.metrics import PromptScore, all_positions_tau, summarize, teacher_forced_accuracy
+from dflash_core.metrics import PromptScore, all_positions_tau, selector_summary, summarize, teacher_forced_accuracy
 from dflash_core.sampled_drafts import ExpectedSteps
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, upstream_digests
@@ -31,6 +31,13 @@ class Scores:
     tau_pooled: float
 
 
+def prompt_score(item, steps: dict) -> PromptScore:
+    """A reference's decode steps as drafts.json holds them (a per_prompt item, or its `unary`), to score."""
+    return PromptScore(item.id, item.category, steps["acceptance_lengths"], steps["starts"],
+                       len(item.reference.token_ids), item.prompt,
+                       ExpectedSteps(**steps["expected"]) if "expected" in steps else None)
+
+
 @task(name="scores", cache_policy=NONE, persist_result=False)
 def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool = False):
     """Summarize the drafts stage's acceptance lengths (see dflash_core.metrics)."""
@@ -40,12 +47,13 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
     def compute(entry: Path) -> dict:
         per_prompt = read_json(Path(drafts.path) / DRAFTS_FILE)["per_prompt"]
         items = load_references(refs)
-        prompts = [
-            PromptScore(item.id, item.category, d["acceptance_lengths"], d["starts"], len(item.reference.token_ids),
-                        item.prompt, ExpectedSteps(**d["expected"]) if "expected" in d else None)
-            for item, d in zip(items, per_prompt)
-        ]
+        prompts = [prompt_score(item, d) for item, d in zip(items, per_prompt)]
         summary = summarize(prompts, drafts.block_size, lookahead=refs.lookahead > 0)
+        if all("unary" in d for d in per_prompt):  # a DFlash2 drafter: its selector against its unary head alone
+            scored = [(p, prompt_score(item, d["unary"]), d["selector_positions"])
+                      for p, item, d in zip(prompts, items, per_prompt) if p.acceptance_lengths]
+            selected, unary, positions = (list(column) for column in zip(*scored))
+            summary["selector"] = selector_summary(selected, unary, positions)
         if all(d.get("all_positions") is not None for d in per_prompt):
             summary["all_positions_tau"] = all_positions_tau([d["all_positions"] for d in per_prompt])
         if all(d.get("position_hits") is not None for d in per_prompt):  # all-positions drafts since they kept it

@@ -124,7 +124,7 @@ PLANTED_BUILDER = pytest.StashKey()
 # test_planted_bugs goes last: its drafters train meanwhile (pytest_sessionstart).
 LONGEST_FIRST = ("test_sampling", "test_deployments", "test_faults", "test_cluster", "test_ui_screenshots",
                  "test_pipeline_s3", "test_first_run", "test_serve_killed", "test_reference_backends",
-                 "test_served_settings", "test_pipeline")
+                 "test_served_settings", "test_pipeline", "test_dflash2_golden", "test_dflash010_golden")
 LAST = ("test_planted_bugs",)
 
 
@@ -162,6 +162,35 @@ def tiny_qwen3_5_run():
     from tests.trained_runs import trained_run
 
     return trained_run("qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_dflash2_run():
+    """A DFlash2 drafter (convolutions and candidate selector) trained on the Qwen3 run's target."""
+    from tests.trained_runs import trained_run
+
+    return trained_run("qwen3_dflash2")
+
+
+@pytest.fixture(scope="module")
+def tiny_dflash2(tiny_dflash2_run, tmp_path_factory):
+    """The DFlash2 run with `.prompts`, its first `tiny_models.SHORT_PROMPTS` held-out prompts (as `tiny`)."""
+    prompts = first_prompts(tiny_dflash2_run, tiny_models.SHORT_PROMPTS,
+                            tmp_path_factory.mktemp("prompts") / "prompts.jsonl")
+    run = copy.copy(tiny_dflash2_run)
+    run.prompts = prompts
+    return run
+
+
+@pytest.fixture(scope="session")
+def dflash2_evaluated(tiny_dflash2_run, prefect_api_url, tmp_path_factory):
+    """The DFlash2 run's first and last saves evaluated through the flow on its first `tiny_models.SHORT_PROMPTS`
+    prompts (tests/evaluations.py: Evaluated): what every view of its selector reads, evaluated once a session."""
+    from tests.evaluations import evaluate_saves
+
+    root = tmp_path_factory.mktemp("dflash2-evaluated")
+    prompts = first_prompts(tiny_dflash2_run, tiny_models.SHORT_PROMPTS, root / "prompts.jsonl")
+    return evaluate_saves(tiny_dflash2_run, prompts, root, max_new_tokens=64)
 
 
 @pytest.fixture(scope="session")

@@ -53,8 +53,9 @@ def test_the_choices_are_the_constants_the_code_checks_against():
     from typing import get_args
 
     from dflash_core.choices import SLIDING_SEMANTICS
+    from dflash_core.drafter_config import ARCHITECTURES
     from dflash_core.target import DTYPES as SERVED_DTYPES
-    from dflash_eval.flows.cli.options import Arch, ServedDtype
+    from dflash_eval.flows.cli.options import Arch, DrafterArchitecture, ServedDtype
     from dflash_eval.flows.settings import STAGES, DtypeName, SlidingSemanticsName
     from dflash_eval.storage.schema import Stage
     from dflash_eval.tasks.target import AUTO, DTYPE_CHOICES
@@ -65,6 +66,7 @@ def test_the_choices_are_the_constants_the_code_checks_against():
     assert get_args(SlidingSemanticsName) == SLIDING_SEMANTICS
     assert set(STAGES) <= {stage.value for stage in Stage}
     assert set(Arch) == set(DEFAULT_STEPS)
+    assert tuple(DrafterArchitecture) == tuple(ARCHITECTURES)
 
 
 def test_every_command_shows_an_example():

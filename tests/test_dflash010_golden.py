@@ -10,7 +10,6 @@ wrote what it emitted, tests/golden/dflash010_loop.json):
 """
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
@@ -19,10 +18,9 @@ import torch
 
 from dflash_core.decoding import decode
 from dflash_core.drafter import load_drafter
-from dflash_core.features import extract, extract_features
+from dflash_core.features import extract_features
 from dflash_core.replay import Reference, replay
-from dflash_core.sampled_drafts import SampledDrafts, coin_seed
-from dflash_core.sampling import Sampling, sample_seed
+from tests.package_loop import sampled_taus, within
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -59,35 +57,9 @@ def test_greedy_drafts_take_the_package_loop_s_steps_on_every_whole_block(pair):
     assert compared >= 50 and GOLDEN["metadata"]["summary"]["greedy"]["tau"] > 2.5  # a drafter that drafts
 
 
-def macro_with_error(per_prompt: list[list[float]]) -> tuple[float, float]:
-    """The mean over prompts of each prompt's mean, and its standard error over the runs (prompts held fixed)."""
-    means = [np.mean(v) for v in per_prompt]
-    return float(np.mean(means)), math.sqrt(sum(np.var(v, ddof=1) / len(v) for v in per_prompt)) / len(per_prompt)
-
-
 @pytest.mark.parametrize("setting", GOLDEN["sampled"], ids=lambda s: f"T={s['temperature']:g}-k{s['top_k']}-p{s['top_p']:g}")
 def test_sampled_drafts_tau_lies_within_4_standard_errors_of_the_package_loop(pair, setting):
     target, drafter = pair
-    sampling = Sampling(setting["temperature"], setting["top_k"], setting["top_p"])
-    theirs, their_error = macro_with_error([[float(np.mean(a)) for a in p["acceptance_lengths"] if a]
-                                            for p in setting["prompts"]])
-    references = [Reference(len(prompt), decode(target, prompt, META["max_new_tokens"], META["stop_token_ids"], sampling,
-                                                 torch.Generator().manual_seed(sample_seed(0, i, k))))
-                  for i, prompt in enumerate(PROMPTS) for k in range(SAMPLES)]
-    extracted = extract(target, [r.token_ids for r in references], drafter.target_layer_ids, probabilities=sampling)
-    features = [e.features for e in extracted]
-    sampled = replay(drafter, target.embed_weight, target.head_weight, references, features,
-                     sampled=SampledDrafts(sampling, [e.probabilities for e in extracted],
-                                           [coin_seed(0, str(n)) for n in range(len(references))]))
-    greedy_drafts = replay(drafter, target.embed_weight, target.head_weight, references, features)
-
-    def per_prompt(taus) -> list[list[float]]:
-        return [[t for t in taus[i * SAMPLES:(i + 1) * SAMPLES] if t is not None] for i in range(len(PROMPTS))]
-
-    ours, our_error = macro_with_error(per_prompt([r.expected.tau if r.acceptance_lengths else None for r in sampled]))
-    argmax, argmax_error = macro_with_error(per_prompt([float(np.mean(r.acceptance_lengths)) if r.acceptance_lengths
-                                                        else None for r in greedy_drafts]))
-    print(f"{sampling.describe()}: dflash 0.1.0 {theirs:.4f} +- {their_error:.4f}, sampled drafts here {ours:.4f} +- "
-          f"{our_error:.4f}, greedy drafts here {argmax:.4f} +- {argmax_error:.4f}")
-    assert abs(ours - theirs) < 4 * math.hypot(our_error, their_error)
-    assert abs(argmax - theirs) > 4 * math.hypot(argmax_error, their_error)
+    taus = sampled_taus(target, drafter, GOLDEN, setting, SAMPLES)
+    assert within(taus["sampled drafts"], taus["package"], 4)
+    assert not within(taus["greedy drafts"], taus["package"], 4)

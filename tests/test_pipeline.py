@@ -244,6 +244,7 @@ def test_command_line_run_and_stage(tiny, tmp_path, prefect_api_url):
     assert process.returncode == 0, output
     results = json.loads((tmp_path / "results.json").read_text())
     assert f"tau macro {results['tau_macro']:.3f}" in output
+    assert "unary head" not in output and "selector" not in output  # a DFlash drafter: no selector to show
     assert results["block_size"] == 8 and len(results["per_prompt"]) == N_PROMPTS
     assert all(p["id"] and p["acceptance_lengths"] for p in results["per_prompt"])
 
@@ -460,3 +461,58 @@ def test_history_shows_tau_by_step_the_best_and_a_regression(tiny, tmp_path, pre
     rows = [line for line in result.output.splitlines() if "step_" in line]
     assert [row.split("│")[1].strip() for row in rows] == ["100", "400", "500"]
     assert "best" in rows[1] and "REGRESSION" in rows[2] and "REGRESSION" not in rows[0] + rows[1]
+    # DFlash drafters: no unary head column, nor its keys for scripts
+    assert "unary head" not in result.output
+    listed = json.loads(CliRunner().invoke(app, ["history", "--store", str(store), "--json"]).stdout)
+    assert not [row for row in listed["series"][0]["rows"] if "unary_tau_macro" in row or "selector_lift" in row]
+
+
+def test_a_dflash2_drafter_shows_its_selector_on_the_command_line_and_in_history(dflash2_evaluated,
+                                                                                   tiny_dflash2_run):
+    """`run` prints the unary head alone's tau, the selector's lift and shares, and a row per draft position;
+    `history` (and its --json) the unary head's tau and the lift by step: scores.json's values."""
+    from typer.testing import CliRunner
+
+    from dflash_eval.flows.cli import app
+    from dflash_eval.reporting.history import history
+    from dflash_eval.reporting.selector import selector_lines
+    from dflash_eval.storage import Store
+    from tests.evaluations import stored_scores
+
+    evaluated = dflash2_evaluated
+    results = evaluated.results[-1]
+    selector = stored_scores(evaluated.store, results)["selector"]
+    run = CliRunner().invoke(app, ["run", "--target", str(tiny_dflash2_run.target_dir), "--drafter",
+                                   results["drafter"]["source"], "--prompts", results["prompts"], "--max-new-tokens",
+                                   str(MAX_NEW), "--store", str(evaluated.store)], env={"COLUMNS": "200"})
+    assert run.exit_code == 0, run.output
+    low, high = selector["unary_tau_macro_ci95"]
+    lift_low, lift_high = selector["lift_ci95"]
+    overall = selector["overall"]
+    assert (f"unary head alone (its argmax): tau macro {selector['unary_tau_macro']:.3f} (95% CI {low:.2f}-"
+            f"{high:.2f}), pooled {selector['unary_tau_pooled']:.3f}; selector lift {selector['lift']:+.3f} (paired "
+            f"95% CI {lift_low:+.2f} to {lift_high:+.2f})") in run.output
+    assert (f"of {sum(selector['position_counts']['reached'])} draft positions compared: selector's draft accepted "
+            f"{overall['selector_accuracy']:.1%}, head's argmax would have been {overall['argmax_accuracy']:.1%}, "
+            f"reference among the K candidates {overall['candidate_recall']:.1%}") in run.output
+    lines = [line.split() for line in run.output.splitlines()]
+    for k, reached in enumerate(selector["position_counts"]["reached"], start=1):
+        assert [str(k), str(reached), f"{selector['selector_accuracy'][k - 1]:.1%}",
+                f"{selector['argmax_accuracy'][k - 1]:.1%}", f"{selector['candidate_recall'][k - 1]:.1%}"] in lines
+    # with sampled drafts the head alone drafts from its q, and the counts are expectations
+    unary, shares = selector_lines(selector, sampled=True)
+    assert unary.startswith("unary head alone (drafts sampled from its q): ") and " expected draft positions" in shares
+
+    selectors = [stored_scores(evaluated.store, r)["selector"] for r in evaluated.results]
+    (group,) = history(Store(evaluated.store))
+    assert [(row.unary_tau_macro, row.selector_lift) for row in group.rows] == \
+        [(s["unary_tau_macro"], s["lift"]) for s in selectors]
+    shown = CliRunner().invoke(app, ["history", "--store", str(evaluated.store)])
+    assert shown.exit_code == 0, shown.output
+    header = next(line for line in shown.output.splitlines() if "tau pooled" in line)
+    assert [cell.strip() for cell in header.split("┃")][5:8] == ["tau pooled", "unary head", "lift"]
+    rows = [[cell.strip() for cell in line.split("│")] for line in shown.output.splitlines() if "step_" in line]
+    assert [row[6:8] for row in rows] == [[f"{s['unary_tau_macro']:.3f}", f"{s['lift']:+.3f}"] for s in selectors]
+    listed = json.loads(CliRunner().invoke(app, ["history", "--store", str(evaluated.store), "--json"]).stdout)
+    assert [(row["unary_tau_macro"], row["selector_lift"]) for row in listed["series"][0]["rows"]] == \
+        [(s["unary_tau_macro"], s["lift"]) for s in selectors]

@@ -146,7 +146,7 @@ def test_tau_table_lists_the_steps_in_order_and_tau_rises_with_training(report, 
     out, _, page = report
     table = page.table_after("step")
     header, rows = table[0], table[1:]
-    assert header[:5] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled"]
+    assert header == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", ""]  # DFlash: no selector columns
     steps = [int(p.name.removeprefix("step_")) for p in tiny_qwen3_run.drafter_steps]
     assert [r[0] for r in rows] == [str(s) for s in steps] + ["baseline"]
     taus = [float(r[2]) for r in rows[:-1]]
@@ -159,7 +159,7 @@ def test_tau_table_lists_the_steps_in_order_and_tau_rises_with_training(report, 
     categories = page.table_after("category")
     assert categories[0][2:] == [f"drafter/step_{s}" for s in steps[-3:]] + ["z-lab/tiny-dflash-b8 (baseline)"]
     assert [c[0] for c in categories[1:]] == ["code"]
-    assert not any("Diagnostics" in text for _, text in page.headings)
+    assert not any("Diagnostics" in text or "selector" in text for _, text in page.headings)
 
 
 @pytest.mark.slow
@@ -185,6 +185,73 @@ def test_the_markdown_shows_the_same_plots_from_files(report):
     assert sorted(base64.b64encode((out / link).read_bytes()).decode() for link in links) == \
         sorted(image["src"].removeprefix("data:image/png;base64,") for image in page.images)
     assert "| step | checkpoint | tau macro |" in markdown
+
+
+@pytest.mark.slow
+def test_a_dflash2_drafter_shows_its_unary_head_and_selector(dflash2_evaluated, tmp_path):
+    """The table's unary head tau and lift, the candidate selector's table and its plot, with scores.json's values."""
+    from tests.evaluations import stored_scores
+
+    evaluated = dflash2_evaluated
+    selectors = [stored_scores(evaluated.store, results)["selector"] for results in evaluated.results]
+    html = write_report(Store(evaluated.store), tmp_path)
+    page = Page(html.read_text())
+    table = page.table_after("step")
+    assert table[0] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", "unary head tau", "selector lift",
+                        ""]
+    assert [row[5:7] for row in table[1:]] == [[f"{s['unary_tau_macro']:.3f}", f"{s['lift']:+.3f}"]
+                                              for s in selectors]
+    assert ("h3", "Candidate selector") in page.headings
+    shown = next(t for t in page.tables if t[0][:2] == ["checkpoint", "unary head tau"])
+    expected = []
+    for results, s in zip(evaluated.results, selectors):
+        low, high = s["unary_tau_macro_ci95"]
+        lift_low, lift_high = s["lift_ci95"]
+        overall = s["overall"]
+        expected.append([f"drafter/{results['drafter']['source'].rsplit('/', 1)[1]}", f"{s['unary_tau_macro']:.3f}",
+                         f"{low:.2f} - {high:.2f}", f"{s['lift']:+.3f}", f"{lift_low:+.2f} to {lift_high:+.2f}",
+                         str(sum(s["position_counts"]["reached"])), f"{overall['selector_accuracy']:.1%}",
+                         f"{overall['argmax_accuracy']:.1%}", f"{overall['candidate_recall']:.1%}"])
+    assert shown[1:] == expected
+    (plot,) = [image for image in page.images if image["alt"] == "candidate selector by draft position"]
+    assert_readable_plot(png_of(plot["src"]))
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| unary head tau | selector lift |" in markdown and "](img/group1-selector.png)" in markdown
+
+
+@pytest.mark.slow
+def test_a_dflash2_drafter_s_run_artifacts_show_its_selector(dflash2_evaluated):
+    """The summary, the scores table and the history table its flow run published, with scores.json's values."""
+    from tests.evaluations import stored_scores
+    from tests.test_served_settings import client_artifacts
+
+    evaluated = dflash2_evaluated
+    selectors = [stored_scores(evaluated.store, results)["selector"] for results in evaluated.results]
+    selector = selectors[-1]
+    artifacts = {a.key.rsplit("-", 1)[1]: a.data for a in client_artifacts(evaluated.flow_runs[-1]) if a.key}
+    low, high = selector["unary_tau_macro_ci95"]
+    lift_low, lift_high = selector["lift_ci95"]
+    overall = selector["overall"]
+    summary = artifacts["summary"]
+    assert (f"Unary head alone (its argmax): tau macro {selector['unary_tau_macro']:.3f} (95% CI {low:.2f}-"
+            f"{high:.2f}), pooled {selector['unary_tau_pooled']:.3f}; selector lift {selector['lift']:+.3f} (paired "
+            f"95% CI {lift_low:+.2f} to {lift_high:+.2f}).") in summary
+    assert (f"Of {sum(selector['position_counts']['reached'])} draft positions compared: selector's draft accepted "
+            f"{overall['selector_accuracy']:.1%}, head's argmax would have been {overall['argmax_accuracy']:.1%}, "
+            f"reference among the K candidates {overall['candidate_recall']:.1%}.") in summary
+    for k, reached in enumerate(selector["position_counts"]["reached"], start=1):
+        assert (f"| {k} | {reached} | {selector['selector_accuracy'][k - 1]:.1%} | "
+                f"{selector['argmax_accuracy'][k - 1]:.1%} | {selector['candidate_recall'][k - 1]:.1%} |") in summary
+    scores = {row["metric"]: row["value"] for row in json.loads(artifacts["scores"])}
+    assert scores["unary head alone: tau macro"] == f"{selector['unary_tau_macro']:.3f}"
+    assert scores["selector lift paired 95% CI"] == f"{lift_low:+.3f} to {lift_high:+.3f}"
+    assert scores["position 1: selector's draft accepted / head's argmax would have been / reference among the K "
+                  "candidates"] == (f"{selector['selector_accuracy'][0]:.1%} / {selector['argmax_accuracy'][0]:.1%} / "
+                                    f"{selector['candidate_recall'][0]:.1%} "
+                                    f"({selector['position_counts']['reached'][0]} reached)")
+    history = json.loads(artifacts["history"])
+    assert [(row["unary head tau"], row["selector lift"]) for row in history] == \
+        [(f"{s['unary_tau_macro']:.3f}", f"{s['lift']:+.3f}") for s in selectors]
 
 
 def diagnostics_of(tau: float) -> dict:

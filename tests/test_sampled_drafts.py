@@ -140,7 +140,7 @@ def test_the_logit_transforms_change_sampled_drafts_and_leave_greedy_ones():
     assert taus[0] != pytest.approx(taus[1], abs=1e-3)
     # the acceptance probability of one draft, from the transformed logits' q by hand
     scorer = BlockScorer(scaled, target.embed_weight, target.head_weight, references[:1], features[:1])
-    (a,) = scorer.acceptance_probabilities([(0, 3)], sampling, sampled.target_probabilities, every_position=True)
+    (a,) = scorer.acceptance_probabilities([(0, 3)], sampling, sampled.target_probabilities, every_position=True).drafts
     with torch.no_grad():
         hidden = scorer._hidden([(0, 3)], scorer._truth([(0, 3)]))[0, 1]
         q = torch.softmax(torch.tanh(0.25 * (hidden @ target.head_weight.T) / 2.0) * 2.0, -1)

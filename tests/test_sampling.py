@@ -8,6 +8,8 @@ offline replay stays exact at a temperature.
   rejected draft fails it).
 - The online loop at temperature 0.6 and 1.0 (with top-k, top-p) on the trained tiny runs: the replay
   over the tokens it emitted, teacher-forced, gives its acceptance lengths step by step.
+- Drafts sampled and accepted by rejection sampling, for a DFlash drafter and a DFlash2 one (q over the selector's
+  candidates): lossless, and the replay's expected tau agrees with the online loop over seeds.
 """
 
 import json
@@ -134,6 +136,12 @@ def qwen3_run(tiny_qwen3_run):
     return trained_run(tiny_qwen3_run)
 
 
+@pytest.fixture(scope="module")
+def dflash2_run(tiny_dflash2_run):
+    """The DFlash2 drafter trained on the same target: its drafts are its candidate selector's walk."""
+    return trained_run(tiny_dflash2_run)
+
+
 def first_two_tokens_distribution(target, prompt, sampling):
     """P(t1, t2) of the target sampling two tokens after prompt, exactly (one forward per t1)."""
     with torch.no_grad():
@@ -171,8 +179,10 @@ LOSSLESS_RUNS = 1000  # enough: the negative control below fails with as many
 @pytest.mark.slow
 # both rules on Qwen3; on the hybrid (what differs there is the target's forward, not the rule) SGLang's and vLLM's
 @pytest.mark.parametrize("run,rule", [("tiny_qwen3_run", "match"), ("tiny_qwen3_run", "rejection"),
-                                      ("tiny_qwen3_5_run", "rejection"), ("tiny_qwen3_run", "sampled-drafts")],
-                         ids=["qwen3-match", "qwen3-rejection", "qwen3_5-hybrid-rejection", "qwen3-sampled-drafts"])
+                                      ("tiny_qwen3_5_run", "rejection"), ("tiny_qwen3_run", "sampled-drafts"),
+                                      ("tiny_dflash2_run", "sampled-drafts")],
+                         ids=["qwen3-match", "qwen3-rejection", "qwen3_5-hybrid-rejection", "qwen3-sampled-drafts",
+                              "dflash2-sampled-drafts"])
 def test_online_loop_is_lossless(run, rule, request):
     """Over 1000 seeded runs, the first two tokens the online loop emits (the second verified against the
     trained drafter's draft) are distributed as the target's own samples, on both tiny runs."""
@@ -234,6 +244,17 @@ def test_replay_over_sampled_output_equals_online_loop(qwen3_run, sampling, rule
     sampled = [speculative_decode(target, drafter, p, 48, eos, sampling=sampling, rule=rule,
                                   generator=torch.Generator().manual_seed(sample_seed(0, i))) for i, p in enumerate(prompts)]
     assert [r.acceptance_lengths for r in on_greedy] != [o.acceptance_lengths for o in sampled]
+
+
+@pytest.mark.slow
+def test_replay_over_sampled_output_equals_online_loop_with_a_dflash2_selector(dflash2_run):
+    """A DFlash2 drafter's greedy walk, verified at a temperature by both rules: the replay over what the online loop
+    emitted takes its steps."""
+    target, drafter, eos, prompts = dflash2_run
+    for rule in ("match", "rejection"):
+        lengths = online_equals_replay(target, drafter, prompts[:4], eos, Sampling(temperature=0.6, top_k=20, top_p=0.95),
+                                       rule, seeds=(0,))
+        assert max(lengths) >= 3 and min(lengths) == 1, lengths
 
 
 @pytest.mark.slow
@@ -321,13 +342,15 @@ def test_tau_of_sampled_references_agrees_with_the_online_loop_over_seeds(qwen3_
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling", [Sampling(temperature=1.0), Sampling(temperature=0.6, top_k=20, top_p=0.95)],
                          ids=Sampling.describe)
-def test_sampled_drafts_expected_tau_agrees_with_the_online_loop_over_seeds(qwen3_run, sampling):
+@pytest.mark.parametrize("run", ["qwen3_run", "dflash2_run"])
+def test_sampled_drafts_expected_tau_agrees_with_the_online_loop_over_seeds(run, sampling, request):
     """Drafts sampled from q and accepted by rejection sampling: the expected tau of 10 sampled references per prompt
     (replayed offline, the target's probabilities of their tokens stored) and the online loop's mean over 10 other
     seeds per prompt estimate the same thing: the two-level interval of their difference holds 0. The greedy-draft
     rule over the same references (the negative control) gives another number: the paired interval of the two
-    rules' difference, reference by reference, excludes 0."""
-    target, drafter, eos, prompts = qwen3_run
+    rules' difference, reference by reference, excludes 0. For the DFlash2 drafter q is its selector's softmax over
+    its K candidates, each draft drawn given the one drawn before it."""
+    target, drafter, eos, prompts = request.getfixturevalue(run)
     samples = 10
     refs = [Reference(len(p), decode(target, p, 48, eos, sampling, torch.Generator().manual_seed(sample_seed(0, i, k))))
             for i, p in enumerate(prompts) for k in range(samples)]

@@ -71,6 +71,7 @@ def test_tau_lands_in_tensorboard_at_each_training_step(evaluated):
     assert [v for _, v in low] == [pytest.approx(r.tau_macro_ci95[0]) for r in group.rows]
     assert len(tensorboard_scalars(ours, "dflash_eval/acceptance_at_position/1")) == 4
     assert len(tensorboard_scalars(ours, "dflash_eval/trainer_implied_acceptance")) == 4
+    assert not [tag for tag in results[400]["training"]["tracker_tags"] if "selector" in tag]  # DFlash: none
     # the trainer's own event file is untouched, and ours is never read as the trainer's
     assert len(list((run / "runs").glob("events.out.tfevents.*"))) == 1
     assert not [name for name in read_training_log(run).scalars if name.startswith("dflash_eval")]
@@ -93,6 +94,10 @@ def test_the_trainers_best_that_is_not_the_best_by_tau_is_flagged(evaluated):
     assert summary_history.exit_code == 0 and "BEST MISMATCH (step 100)" in summary_history.output
     report = (store / "report" / "report.md").read_text()
     assert "Training beside evaluation" in report and "BEST MISMATCH (step 100)" in report
+    # DFlash drafters have no selector: none of its numbers anywhere
+    assert not [r for r in table if "unary head tau" in r]
+    for shown in (summary, summary_history.output, report):
+        assert "unary head" not in shown and "selector" not in shown.lower()
 
     # the trainer names the best by tau: no flag
     from specforge.training.checkpoint import CheckpointManager
@@ -149,6 +154,34 @@ def test_all_positions_scores_add_the_teacher_forced_accuracy_beside_the_trainer
     assert len(accuracy) == 7 and all(0 <= a <= 1 for a in accuracy) and accuracy[0] > accuracy[-1]
     scalars = tensorboard_scalars(run / "runs" / "dflash-eval", "dflash_eval/teacher_forced_accuracy/1")
     assert scalars == [(400, pytest.approx(accuracy[0]))]
+
+
+def test_a_dflash2_drafter_s_selector_lands_in_tensorboard(dflash2_evaluated):
+    """selector/unary_tau_macro, selector/lift and the three shares per draft position at each step, with
+    scores.json's values; a position no step reached has no point."""
+    from dflash_eval.reporting.tracker import _scalars
+    from tests.evaluations import stored_scores
+
+    evaluated = dflash2_evaluated
+    steps = [results["drafter"]["step"] for results in evaluated.results]
+    selectors = [stored_scores(evaluated.store, results)["selector"] for results in evaluated.results]
+
+    def points(name: str) -> list[tuple[int, float]]:
+        return tensorboard_scalars(evaluated.tensorboard, f"dflash_eval/selector/{name}")
+
+    assert points("unary_tau_macro") == [(s, pytest.approx(x["unary_tau_macro"])) for s, x in zip(steps, selectors)]
+    assert points("lift") == [(s, pytest.approx(x["lift"])) for s, x in zip(steps, selectors)]
+    for name in ("selector_accuracy", "argmax_accuracy", "candidate_recall"):
+        for k in range(1, len(selectors[-1][name]) + 1):
+            assert points(f"{name}/{k}") == [(s, pytest.approx(x[name][k - 1])) for s, x in zip(steps, selectors)
+                                             if x[name][k - 1] is not None]
+    (group,) = history(Store(evaluated.store))
+    scores = stored_scores(evaluated.store, evaluated.results[-1])
+    scores["selector"]["argmax_accuracy"][-1] = None  # as where no decode step reached the last position
+    tags = _scalars(group.rows[-1], scores, None)
+    assert f"selector/argmax_accuracy/{len(selectors[-1]['argmax_accuracy'])}" not in tags
+    assert {"selector/argmax_accuracy/1", f"selector/candidate_recall/{len(selectors[-1]['candidate_recall'])}"} <= \
+        tags.keys()
 
 
 def test_a_damaged_training_log_is_a_warning_and_the_evaluation_completes(evaluated, tmp_path):

@@ -22,6 +22,8 @@ RUNS = {
     "qwen3": TinyBuildSettings(arch="qwen3"),
     # two saved steps are enough here (the Qwen3 run covers tau rising with training)
     "qwen3_5": TinyBuildSettings(arch="qwen3_5", drafter_training=DrafterTrainingSettings(steps=200, save_every=100)),
+    # a DFlash2 drafter (convolutions, candidate selector) on the Qwen3 run's target
+    "qwen3_dflash2": TinyBuildSettings(arch="qwen3", drafter_architecture="DFlash2DraftModel"),
 }
 PLANTED = ("planted:clean", "planted:leaked_block", "planted:shifted_label", "planted:noisy_features",
            "planted:last_layer_shortcut", "planted:noisy_logits")

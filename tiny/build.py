@@ -61,6 +61,9 @@ class TinyBuildSettings:
     # what each position sees: switching them costs ~0.7 tau here, a fault tests must catch. With a
     # window far longer than the block the switch moved tau by only ~0.01 on this model.
     sliding_window: int = 4
+    # "DFlash2DraftModel": a DFlash2 drafter (DFLASH2_SHAPES: the published drafter's convolutions and top K, a
+    # smaller selector rank), its selector trained beside its head
+    drafter_architecture: str = "DFlashDraftModel"
     train_prompts: int = 384
     eval_prompts: int = 32
     prompt_len: int = 32
@@ -109,18 +112,24 @@ def tiny_run_key(settings: TinyBuildSettings) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+# A tiny DFlash2 drafter's extra shapes: the published Qwen3.8-27B drafter's convolutions (2 taps, groups of 16
+# channels) and top 16 candidates, with a selector rank to suit a hidden size of 192 (the published one is 256)
+DFLASH2_SHAPES = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 16}
+
+
 def tiny_drafter_config(settings: TinyBuildSettings, target: Target, mask_token_id: int) -> dict:
-    """The drafter's config.json (the published DFlash format)."""
+    """The drafter's config.json (the published DFlash or DFlash2 format)."""
     hidden = target.hidden_size
+    dflash2 = DFLASH2_SHAPES if settings.drafter_architecture == "DFlash2DraftModel" else {}
     return {
-        "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+        "architectures": [settings.drafter_architecture], "model_type": "qwen3",
         "hidden_size": hidden, "num_hidden_layers": len(settings.drafter_layer_types),
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": hidden // 4,
         "intermediate_size": 2 * hidden, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "max_position_embeddings": target.max_positions, "vocab_size": target.vocab_size,
         "layer_types": list(settings.drafter_layer_types), "sliding_window": settings.sliding_window,
         "block_size": settings.block_size, "num_target_layers": target.num_layers,
-        "dflash_config": {"target_layer_ids": list(settings.layer_ids), "mask_token_id": mask_token_id},
+        "dflash_config": {"target_layer_ids": list(settings.layer_ids), "mask_token_id": mask_token_id, **dflash2},
     }
 
 

@@ -6,13 +6,19 @@ context is the target's features of the tokens strictly before the anchor; its l
 target's tokens at anchor+1 .. anchor+B-1. The loss is cross-entropy through the frozen target
 head, weighted exp(-(k-1)/gamma) by block position k; the target's embeddings are frozen too.
 
+A DFlash2 drafter also trains its candidate selector (as SpecForge's and NeMo Automodel's DFlash2 recipes do):
+cross-entropy of its scores over the head's top K at each block position, given the label before it (the anchor
+at position 1), with the label put among the candidates where the head left it out; the two losses are added
+(SELECTOR_LOSS_WEIGHT). Its convolutions start as the identity.
+
 Blocks never see each other: each block is its own batch row, so the attention mask cannot leak
 across blocks (SpecForge #470), and a block sees the context only before its own anchor.
 
 Saves checkpoints at steps like a real run (step_100/, step_200/, ...) in the published format; given a
 log folder, logs what SpecForge's trainer logs, under its names, with TensorBoard's writer: `train/loss`,
 `train/acc` and per draft position `train/acc_<k>` (teacher-forced: the argmax at block position k + 1
-against its label, whatever the positions before it did).
+against its label, whatever the positions before it did; for DFlash2 too the head's argmax, not the selector's
+choice, as the trainers log it), and for DFlash2 `train/selector_acc` (the selector's choice, teacher-forced).
 
 For the tests of the train/eval alarm and the diagnostics only, `planted_bug` trains with one of the
 bugs the seed project had (PLANTED_BUGS); the published recipe has none.
@@ -40,6 +46,7 @@ PLANTED_BUGS = {
 }
 
 LOG_EVERY = 10  # steps between logged training scalars
+SELECTOR_LOSS_WEIGHT = 1.0  # DFlash2: the selector's loss added to the head's with this weight
 
 Progress = Callable[[str, int, int], None]
 """Told how far a long step of the tiny build is: (the step's name, units done, units in all), e.g.
@@ -74,7 +81,8 @@ def learning_rate(step: int, steps: int, peak: float, warmup: int) -> float:
 
 
 def init_drafter(raw_config: dict, seed: int = 0, sliding_semantics: str = "causal") -> DFlashDrafter:
-    """A freshly initialised drafter (normal(0, 0.02) projections, unit norms), float32."""
+    """A freshly initialised drafter (normal(0, 0.02) projections and codebooks, unit norms; DFlash2's convolutions
+    the identity), float32."""
     torch.manual_seed(seed)
     model = DFlashDrafter(DrafterConfig.from_dict(raw_config), sliding_semantics)
     for p in model.parameters():
@@ -84,9 +92,11 @@ def init_drafter(raw_config: dict, seed: int = 0, sliding_semantics: str = "caus
 
 
 def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, gamma, generator,
-               planted_bug: str | None = None, label_tokens=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy of n_anchors random blocks from each of a batch of sequences, and per draft
-    position the blocks whose argmax matched its label and the blocks with a label there ([B-1] each).
+               planted_bug: str | None = None,
+               label_tokens=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weighted cross-entropy of n_anchors random blocks from each of a batch of sequences (DFlash2: plus its
+    selector's), and per draft position the blocks whose argmax matched its label, the blocks with a label there and
+    (DFlash2) those whose selector choice matched it ([B-1] each; zeros for DFlash).
 
     tokens[i] [T_i] (prompt + completion), features[i] [K, >= T_i - 1, H], prompt_lens[i]; label_tokens[i]
     [T_i]: what each position is trained to predict (default tokens[i], the reference itself).
@@ -131,7 +141,33 @@ def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, g
     weights = torch.exp(-(offsets[1:] - 1) / gamma)[None].expand_as(ce) * (labels != -100)
     labelled_here = labels != -100
     correct = ((logits.argmax(-1) == labels) & labelled_here).sum(0)
-    return (ce * weights).sum() / weights.sum(), correct.detach(), labelled_here.sum(0)
+    loss = (ce * weights).sum() / weights.sum()
+    selector_correct = torch.zeros_like(correct)
+    if drafter.candidate_selector is not None:
+        selector_ce, chosen = selector_loss(drafter, hidden[:, 1:], logits, ids[:, 0], labels)
+        loss = loss + SELECTOR_LOSS_WEIGHT * (selector_ce * weights).sum() / weights.sum()
+        selector_correct = ((chosen == labels) & labelled_here).sum(0)
+    return loss, correct.detach(), labelled_here.sum(0), selector_correct.detach()
+
+
+def selector_loss(drafter, hidden, logits, anchors, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash2's selector loss per block position [N, B-1] (0 where unlabelled) and its teacher-forced choice there:
+    cross-entropy of its scores over the head's top K given the label before each position (the anchor at the first),
+    with the label in the last candidate's place where the head's top K leaves it out."""
+    selector = drafter.candidate_selector
+    gold = labels.clamp(min=0)
+    previous = torch.cat([anchors[:, None], gold[:, :-1]], dim=1)  # [N, B-1]
+    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # [N, B-1, K]
+    missing = ~(candidates == gold[..., None]).any(-1)
+    candidates[..., -1] = torch.where(missing, gold, candidates[..., -1])
+    chosen_logits = logits.float().gather(-1, candidates)
+    # the selector's score, as drafter.CandidateSelector computes it, over these candidates
+    query = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden)  # [N, B-1, rank]
+    scores = chosen_logits + (query[..., None, :] * selector.successor_codebook[candidates]).sum(-1)
+    target = (candidates == gold[..., None]).float().argmax(-1)
+    ce = F.cross_entropy(scores.reshape(-1, selector.top_k), target.reshape(-1), reduction="none").view(labels.shape)
+    chosen = candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
+    return ce * (labels != -100), chosen
 
 
 def train_drafter(
@@ -177,17 +213,17 @@ def train_drafter(
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(str(log_dir))
-    window = torch.zeros(2, drafter.block_size - 1)  # (correct, labelled) per position since the last log
+    window = torch.zeros(3, drafter.block_size - 1)  # (correct, labelled, selector correct) per position since the last log
     saved, started, running = [], time.perf_counter(), None
     for step in range(1, settings.steps + 1):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step - 1, settings.steps, settings.lr, settings.warmup_steps)
         pick = [usable[j] for j in torch.randint(len(usable), (settings.sequences_per_step,), generator=generator)]
-        loss, correct, labelled = block_loss(
+        loss, correct, labelled, selector_correct = block_loss(
             drafter, embed, head, [tokens[i] for i in pick], [features[i].float() for i in pick],
             [references[i].prompt_len for i in pick], settings.anchors_per_sequence, settings.loss_decay_gamma,
             generator, settings.planted_bug, None if label_tokens is None else [label_tokens[i] for i in pick])
-        window += torch.stack([correct, labelled]).float()
+        window += torch.stack([correct, labelled, selector_correct]).float()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -199,6 +235,8 @@ def train_drafter(
             writer.add_scalar("train/acc", float(window[0].sum() / window[1].sum().clamp(min=1)), step)
             for k, a in enumerate(accuracy.tolist()):
                 writer.add_scalar(f"train/acc_{k}", a, step)
+            if drafter.candidate_selector is not None:
+                writer.add_scalar("train/selector_acc", float(window[2].sum() / window[1].sum().clamp(min=1)), step)
             window.zero_()
         if progress:
             progress("drafter training", step, settings.steps)

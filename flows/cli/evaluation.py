@@ -153,6 +153,8 @@ def _print_results(results: dict) -> None:
         drawn = results["tau_drawn"]
         console.print(f"sampled drafts: tau is the expectation over the acceptance coins; one draw of them: tau macro "
                       f"{drawn['tau_macro']:.3f}, pooled {drawn['tau_pooled']:.3f}")
+    if "selector" in results:
+        _print_selector(console, results["selector"], results["served"]["draft_sample_method"] != "greedy")
     if "all_positions_tau" in results:
         console.print(f"all positions: mean acceptance length {results['all_positions_tau']:.3f}")
     if "block_sweep" in results:
@@ -171,6 +173,23 @@ def _print_results(results: dict) -> None:
                       f"(95% CI {b['tau_macro_ci95'][0]:.2f}-{b['tau_macro_ci95'][1]:.2f})")
     if "diagnostics" in results:
         _print_diagnostics(console, results["diagnostics"])
+
+
+def _print_selector(console, selector: dict, sampled: bool) -> None:
+    """A DFlash2 drafter's selector against its unary head alone (reporting.selector), and per draft position."""
+    from rich.table import Table
+
+    from dflash_eval.reporting.selector import count, selector_lines, selector_positions, share
+
+    for line in selector_lines(selector, sampled):
+        console.print(line, markup=False)
+    table = Table(title="selector by draft position" + (" (expected counts)" if sampled else ""), box=None)
+    for column in ("k", "reached", "selector", "argmax", "recall"):
+        table.add_column(column, justify="right")
+    for p in selector_positions(selector):
+        table.add_row(str(p.k), count(p.reached), share(p.selector_accuracy), share(p.argmax_accuracy),
+                      share(p.candidate_recall))
+    console.print(table)
 
 
 def _print_diagnostics(console, d: dict) -> None:

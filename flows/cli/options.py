@@ -36,6 +36,13 @@ class Arch(StrEnum):
     qwen3_5 = "qwen3_5"
 
 
+class DrafterArchitecture(StrEnum):
+    """--drafter-architecture of tiny build: the architectures dflash_core.drafter_config reads."""
+
+    DFlashDraftModel = "DFlashDraftModel"
+    DFlash2DraftModel = "DFlash2DraftModel"
+
+
 class OneLineChoiceErrors(TyperGroup):
     """The root command group: a mistake on the command line (a value outside an option's choices or range, an
     unknown or missing option) is refused with one line and exit code 2, as the input checks refuse everything

@@ -31,7 +31,8 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     were first scored, never by path), with the best one and regressions (a 95% interval entirely below the
     best earlier step's; a checkpoint without a step is never flagged: its place among the steps is unknown).
     Where the training run's log is found, what the trainer's numbers imply beside tau, and the alarm's flags
-    (the trainer's best is not the best by tau, training accuracy rising while tau does not, a train/eval gap)."""
+    (the trainer's best is not the best by tau, training accuracy rising while tau does not, a train/eval gap).
+    For DFlash2 drafters, the tau of their unary head alone and what their candidate selector adds to it."""
     from rich.console import Console
     from rich.table import Table
 
@@ -48,8 +49,10 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     console = Console(width=160)
     for group in groups:
         sides = training_sides(group, relay_logs(group, training_log))
+        selector = any(row.unary_tau_macro is not None for row in group.rows)  # DFlash2 checkpoints among them
         table = Table(title=group.title)
-        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled", "first scored (UTC)", "",
+        for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled",
+                       *(("unary head", "lift") if selector else ()), "first scored (UTC)", "",
                        *(("trainer implies", "flags") if sides else ())):
             table.add_column(column)
         for row in group.rows:
@@ -57,7 +60,11 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
             step = "-" if row.step is None else str(row.step)
             scored = f"{row.scored_at:%Y-%m-%d %H:%M:%S}" if row.scored_at else "-"
             cells = ["baseline" if row.baseline else step, row.label, f"{row.tau_macro:.3f}",
-                     f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row.tau_pooled:.3f}", scored, row.mark]
+                     f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row.tau_pooled:.3f}"]
+            if selector:
+                cells += ["-" if row.unary_tau_macro is None else f"{row.unary_tau_macro:.3f}",
+                          "-" if row.selector_lift is None else f"{row.selector_lift:+.3f}"]
+            cells += [scored, row.mark]
             if sides:
                 side = side_of(sides, row)
                 implied = side.implied(row) if side else None
@@ -74,8 +81,9 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
 
 def history_json(store, groups: list, training_log: str | None) -> dict:
     """What `history` shows, for scripts: {"store", "series": [{"key", "title", "setting", "rows": [...]}]}, each row
-    with its step, checkpoint, tau and interval, its verdict and, where the training log is found, what the trainer's
-    numbers imply and the alarm's flags at that step."""
+    with its step, checkpoint, tau and interval, its verdict (a DFlash2 drafter's: its unary head's tau and the
+    selector's lift) and, where the training log is found, what the trainer's numbers imply and the alarm's flags at
+    that step."""
     from dflash_eval.reporting.training_side import side_of, training_sides
 
     series = []
@@ -94,6 +102,9 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
                 "best": row.best, "regression": row.regression,
                 "trainer_implies": implied[0] if implied else None,
                 "flags": [f.kind for f in side.flags_at(row.step)] if side else [],
+                # DFlash2 drafters only: other rows stay as they were
+                **({"unary_tau_macro": row.unary_tau_macro, "selector_lift": row.selector_lift}
+                   if row.unary_tau_macro is not None else {}),
             })
         series.append({"key": group.series, "title": group.title, "setting": group.setting,
                        "sliding_semantics": group.sliding_semantics, "chosen_block_size": group.chosen_block_size,

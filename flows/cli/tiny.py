@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Self
 import typer
 
 from .common import configure_threads, fail
-from .options import Arch, Threads, example
+from .options import Arch, DrafterArchitecture, Threads, example
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
@@ -57,19 +57,23 @@ def tiny_build(
                                        "VLM).")] = Arch.qwen3,
     target_steps: Annotated[int | None, typer.Option(help="Target training steps (default: the "
                                                      "architecture's).")] = None,
+    drafter_architecture: Annotated[DrafterArchitecture, typer.Option(
+        help="The drafter: DFlash, or DFlash2 (convolutions and a candidate selector).")] = (
+            DrafterArchitecture.DFlashDraftModel),
     drafter_steps: Annotated[int | None, typer.Option(help="Drafter training steps (default 400).")] = None,
     save_every: Annotated[int | None, typer.Option(help="Save a drafter checkpoint every N steps (default "
                                                    "100).")] = None,
     threads: Threads = None,
 ):
-    """Train a tiny target and a DFlash drafter run into OUT, and print tau per saved step."""
+    """Train a tiny target and a DFlash (or DFlash2) drafter run into OUT, and print tau per saved step."""
     from dflash_eval.flows.checks import writable_problem
     from dflash_eval.tiny.build import TinyBuildSettings, build_tiny
 
     if problem := writable_problem(out, folder=True):
         fail(f"--out: {problem}")
     configure_threads(threads)
-    settings = TinyBuildSettings(arch=arch.value, target_steps=target_steps)
+    settings = TinyBuildSettings(arch=arch.value, target_steps=target_steps,
+                                 drafter_architecture=drafter_architecture.value)
     training = settings.drafter_training
     if drafter_steps is not None:
         training = replace(training, steps=drafter_steps)
