@@ -27,8 +27,13 @@ Drafter checkpoint layouts
                         per rank (FSDP optimizer shards, RNG), which are left out. It has no
                         config.json: the drafter config comes from the run folder (its parent)
                         when one is there, else from the user (`--drafter-config`).
+    layout "speculators" vLLM's speculators trainer: a numbered folder per save (`0/`, `1/`, ...) holding
+                        config.json (its own format: dflash_core.speculators_format) + model.safetensors
+                        beside optimizer_state_dict.pt, scheduler_state_dict.pt and training_state.json,
+                        with `epoch{E}_step{S}`, `epoch{E}_end` and `checkpoint_best` links to them in
+                        the save root. Only config.json, the weights and training_state.json are taken.
 
-    Besides those, small files that name the step (trainer_state.json) travel, and `include` patterns
+    Besides those, small files that name the step (trainer_state.json, training_state.json) travel, and `include` patterns
     (fnmatch, on file names) widen the set when a user needs more. Only regular files directly in the
     folder count, never hidden ones (names starting with '.').
 
@@ -42,7 +47,7 @@ Readiness
 
 Training step
     config.json {"step": N} or {"global_step": N}, trainer_state.json {"global_step": N} (HF Trainer),
-    then the folder name's trailing number (step_1000, checkpoint-1000, run1-step1000,
+    training_state.json {"global_step": N} (speculators), then the folder name's trailing number (step_1000, checkpoint-1000, run1-step1000,
     epoch_2_step_1000).
 """
 
@@ -63,7 +68,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 TRAINING_STATE = "training_state.pt"  # SpecForge's shared payload (its CheckpointManager.STATE_FILE)
 WEIGHT_FILE_NAMES = f"{SINGLE_FILE}, {INDEX_FILE} or SpecForge's {TRAINING_STATE}"  # for messages
-STEP_FILES = ("trainer_state.json",)
+# where a save's training step is written: Hugging Face's Trainer, and speculators' trainer (its global_step)
+STEP_FILES = ("trainer_state.json", "training_state.json")
 TEMPORARY_SUFFIXES = (".tmp", ".partial", ".incomplete", ".lock")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header's length
 
@@ -267,6 +273,8 @@ def checkpoint_files(directory: str | os.PathLike, include: Iterable[str] = ()) 
         layout, weights = "hf", {INDEX_FILE} | (shards & present)
     elif SINGLE_FILE in present:
         layout, weights = "hf", {SINGLE_FILE}
+        if CONFIG in present and _written_by_speculators(directory / CONFIG):
+            layout = "speculators"
     elif TRAINING_STATE in present:
         layout, weights = "specforge", {TRAINING_STATE}
     else:
@@ -280,6 +288,15 @@ def checkpoint_files(directory: str | os.PathLike, include: Iterable[str] = ()) 
         files[CONFIG] = directory.parent / CONFIG
         config_source = "run folder"
     return CheckpointFiles(directory, layout, dict(sorted(files.items())), config_source)
+
+
+def _written_by_speculators(config_file: Path) -> bool:
+    """Whether a config.json is a speculators save's (vLLM's trainer; dflash_core.speculators_format)."""
+    try:
+        config = _read_json(config_file)
+    except (OSError, ValueError):
+        return False  # (the config's own check says what is wrong with it)
+    return isinstance(config, dict) and "speculators_model_type" in config
 
 
 def not_ready(directory: str | os.PathLike, settle_seconds: float, found: CheckpointFiles | None = None) -> str | None:
@@ -329,7 +346,7 @@ def training_step(directory: str | Path, name: str | None = None) -> int | None:
 
     name: the checkpoint's name when it differs from the folder's (a store copy of a relay path)."""
     directory = Path(directory)
-    for file, fields in ((CONFIG, ("step", "global_step")), ("trainer_state.json", ("global_step",))):
+    for file, fields in ((CONFIG, ("step", "global_step")), *((name, ("global_step",)) for name in STEP_FILES)):
         try:
             record = _read_json(directory / file)
         except (OSError, ValueError):

@@ -135,8 +135,10 @@ def speculative_decode(
         block[0, 0] = ids[start]
         ctx = [(k[None], v[None]) for k, v in context]
         hidden = drafter(F.embedding(block, embed), torch.tensor([start], device=drafter.device), ctx)
-        # B-1 drafted tokens (DFlash2: the selector's walk from the anchor), and q [B-1, V] when sampled
-        drafts, draft_probs = drafter.draft_block(hidden[0, 1:], head, ids[start], draft_sampling, generator)
+        # B-1 drafted tokens (B when the anchor's slot drafts too; DFlash2: the selector's walk from the anchor), and
+        # q [drafts, V] when sampled
+        drafting = hidden[0] if drafter.cfg.drafts_from_anchor else hidden[0, 1:]
+        drafts, draft_probs = drafter.draft_block(drafting, head, ids[start], draft_sampling, generator)
 
         verify = [ids[start]] + drafts
         snapshot = _snapshot(recurrent)
@@ -154,7 +156,7 @@ def speculative_decode(
         step = len(new_tokens)
 
         # keep the target's state for verify[:step] (positions start .. start+step-1)
-        if step < B and recurrent:
+        if step < len(verify) and recurrent:
             _crop(cache, start)
             _restore(recurrent, snapshot)
             target.forward(torch.tensor([verify[:step]], device=target.device), cache=cache)

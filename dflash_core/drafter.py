@@ -11,7 +11,8 @@ hidden_norm(fc(concat(target features))) of every token before `start`. The cont
 not depend on the block, so `context_kv` computes them once per sequence and every block reuses them.
 
 Parameter names equal the checkpoint's keys (fc.weight, layers.N.self_attn.q_proj.weight, ...).
-There is no embedding and no lm_head: the target's are used (see token_head.py).
+There is no embedding and, but for a speculators save with a reduced vocabulary (its own lm_head over the kept
+tokens and their target ids, d2t), no lm_head: the target's are used (see token_head.py).
 
 DFlash2 (z-lab's DFlash2DraftModel) is the same backbone plus a grouped dynamic convolution around every attention
 and MLP sublayer, within the block, and a candidate selector: its draft at block position k is chosen among the
@@ -22,6 +23,9 @@ what the walk drafts there, which keeps the offline replay exact and batched (df
 
 Shapes in comments: N blocks (or sequences), B block size, S context length, T tokens, H hidden size,
 K target layers read, n_heads / n_kv query / key-value heads, hd head dim.
+
+Why this module is long: it is the drafter's whole forward path, DFlash and DFlash2, in one file read top to
+bottom (as a transformers modeling file is), with the loading that checks every weight against it.
 """
 
 import json
@@ -234,15 +238,19 @@ class Drafts:
 
 class DFlashDrafter(nn.Module):
     """The drafter of a DrafterConfig, DFlash or DFlash2 (cfg.has_selector: the layers get their convolutions and the
-    drafter its candidate selector). sliding_semantics says how sliding-window layers treat the block when the
-    config does not set is_causal (choices.SLIDING_SEMANTICS)."""
+    drafter its candidate selector; cfg.draft_vocab_size: its own head over a reduced vocabulary). sliding_semantics
+    says how sliding-window layers treat the block when the config does not fix it (choices.SLIDING_SEMANTICS)."""
+
+    d2t: torch.Tensor  # buffers of a reduced vocabulary (register_buffer below)
+    t2d: torch.Tensor
 
     def __init__(self, cfg: DrafterConfig, sliding_semantics: str = "causal"):
         super().__init__()
         if sliding_semantics not in SLIDING_SEMANTICS:
             raise ValueError(f"sliding_semantics must be one of {SLIDING_SEMANTICS}, got {sliding_semantics!r}")
         self.cfg = cfg
-        self.sliding_semantics = sliding_semantics
+        # a config that fixes the sliding layers' semantics (speculators) wins; the results record the one used
+        self.sliding_semantics = cfg.sliding_semantics or sliding_semantics
         if (cfg.is_causal is not None and "sliding_attention" in cfg.layer_types
                 and cfg.is_causal != (sliding_semantics == "causal")):
             warnings.warn(f"the drafter config sets is_causal={str(cfg.is_causal).lower()}: every layer is "
@@ -255,6 +263,12 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Qwen3RotaryEmbedding(cfg.rope)  # transformers' rope (default, yarn, llama3, ...)
         self.candidate_selector = CandidateSelector(cfg) if cfg.has_selector else None
+        self.lm_head: nn.Linear | None = None
+        if cfg.draft_vocab_size is not None:  # its own head over a reduced vocabulary, and the tokens' target ids
+            assert cfg.vocab_size is not None  # (the config checks)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # target id - draft id
+            self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # the target ids kept
 
     def forward(self, block_embeds: torch.Tensor, starts: torch.Tensor, context: list[LayerKV]) -> torch.Tensor:
         """Draft N blocks at once.
@@ -296,14 +310,29 @@ class DFlashDrafter(nn.Module):
         output_multiplier, then softcapped (tanh(x / cap) * cap), as z-lab's compute_logits does. Both are
         monotonic: the argmax (a greedy draft) is the raw logits', which the replay uses as they are; a sampled
         draft's distribution and DFlash2's selector need them. [..., V], float32."""
-        return self._processed(hidden @ head_weight.T)
+        return self._processed(self._head(hidden, head_weight))
+
+    def _head(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """The raw logits over the target's vocabulary [..., V], in the drafter's dtype: through the target's head, or
+        through its own over a reduced vocabulary with every other token at -inf (never drafted, probability 0;
+        the kept tokens keep their order, so the argmax is the reduced head's, mapped to its target id)."""
+        if self.lm_head is None:
+            return hidden @ head_weight.T
+        draft = self.lm_head(hidden)  # [..., Vd]
+        raw = draft.new_full((*draft.shape[:-1], head_weight.shape[0]), float("-inf"))
+        return raw.scatter_(-1, self.target_ids.expand_as(draft), draft)
+
+    @property
+    def target_ids(self) -> torch.Tensor:
+        """A reduced vocabulary's target id of each draft token [Vd] (draft id + d2t)."""
+        return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def draft(self, hidden: torch.Tensor, head_weight: torch.Tensor, previous: torch.Tensor,
               logits: bool = False) -> Drafts:
         """Drafts at block positions whose final hidden states are `hidden` [..., H], each given the token before it,
         `previous` [...] (the anchor before position 1, then the draft before it: DFlash2's selector depends on it,
         DFlash does not). logits: also the processed logits, which sampled drafts need (DFlash2 always has them)."""
-        raw = hidden @ head_weight.T  # [..., V] in the drafter's dtype: its argmax is the greedy draft
+        raw = self._head(hidden, head_weight)  # [..., V] in the drafter's dtype: its argmax is the greedy draft
         if self.candidate_selector is None:
             return Drafts(raw.argmax(-1), self._processed(raw) if logits else None)
         processed = self._processed(raw)
@@ -521,9 +550,11 @@ def load_drafter(
                          "config is given")
     with torch.device("meta"):
         model = DFlashDrafter(config, sliding_semantics)
-    state = _checked_weights(path, config, {name: p.shape for name, p in model.named_parameters()})
+    state = _checked_weights(path, config, {name: t.shape for name, t in model.state_dict().items()})
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
+    if model.lm_head is not None:
+        _check_token_map(path, model)
     model = model.to(dtype=dtype)
     # rope frequencies stay float32 (a bf16 cast would blur them); they were on the meta device anyway
     model.rotary = Qwen3RotaryEmbedding(config.rope).to(device)
@@ -562,6 +593,18 @@ def _checked_weights(path: Path, cfg: DrafterConfig, expected: dict[str, torch.S
             raise DrafterError(f"{path}: weight {name} has shape {list(state[name].shape)}, expected "
                                f"{list(shape)}{hint}")
     return state
+
+
+def _check_token_map(path: Path, model: DFlashDrafter) -> None:
+    """A reduced vocabulary's d2t must give each draft token a distinct target id, in order (as speculators builds
+    it from t2d), each of them one t2d keeps: else drafts would land on the wrong tokens."""
+    ids = model.target_ids
+    if ids.min() < 0 or ids.max() >= len(model.t2d) or not bool((ids[1:] > ids[:-1]).all()):
+        raise DrafterError(f"{path}: d2t maps draft tokens outside the target's vocabulary or out of order: the token "
+                           "map is damaged; re-save the drafter")
+    if int(model.t2d.sum()) != len(ids) or not bool(model.t2d[ids].all()):
+        raise DrafterError(f"{path}: d2t and t2d disagree on which target tokens the draft vocabulary keeps: the "
+                           "token map is damaged; re-save the drafter")
 
 
 def save_drafter(drafter: DFlashDrafter, path: str | Path) -> None:

@@ -19,6 +19,8 @@ from typing import Any, NoReturn, TypeGuard
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .speculators_format import SPECULATORS_FIELDS, SpeculatorsConfigError, is_speculators_config, published_config
+
 
 class DrafterError(ValueError):
     """A drafter checkpoint that cannot be used as it is; the message says what to fix."""
@@ -144,6 +146,22 @@ class DrafterConfig:
     selector_rank: int | None = None
     selector_top_k: int | None = None
 
+    # A reduced draft vocabulary (vLLM's speculators saves): the drafter's own head over draft_vocab_size tokens and
+    # their target ids (the weights' lm_head, d2t and t2d); None: the full vocabulary, through the target's head
+    draft_vocab_size: int | None = None
+    # speculators' sample_from_anchor: the anchor's slot drafts too (slot t predicts token start + t + 1), so a step
+    # verifies block_size drafts, not block_size - 1
+    drafts_from_anchor: bool = False
+    # the sliding layers' semantics when the config itself fixes it (speculators' sliding_window_non_causal);
+    # None: the caller's choice (DFlashDrafter's sliding_semantics)
+    sliding_semantics: str | None = None
+    verifier_architectures: tuple[str, ...] | None = None  # speculators: the target the drafter was trained against
+    source_format: str = "published"  # "published" (z-lab's, SpecForge's exports) or "speculators"
+
+    def verified_tokens(self, block_size: int) -> int:
+        """Tokens a step verifies (its acceptance length at most) for a block of `block_size` slots."""
+        return block_size + self.drafts_from_anchor
+
     @property
     def has_selector(self) -> bool:
         """A DFlash2 drafter: its draft is the candidate selector's walk, not the head's argmax."""
@@ -158,8 +176,15 @@ class DrafterConfig:
         dflash_config.mask_token given as a string. Fields that change the math and are not implemented
         here are refused (DrafterError naming them); unknown top-level fields are warned about.
         """
+        speculators = is_speculators_config(raw)
+        given = raw
+        if speculators:  # read as the published config it describes, with its own fields beside
+            try:
+                raw = published_config(raw, source, DFLASH_FIELDS)
+            except SpeculatorsConfigError as e:
+                raise DrafterError(str(e)) from None
         fields = _Fields(raw, source)
-        _refuse_unimplemented(fields)
+        _refuse_unimplemented(fields, reduced_vocabulary=speculators)
         architecture = (raw.get("architectures") or ["DFlashDraftModel"])[0]
 
         hidden = fields.required("hidden_size")
@@ -200,7 +225,8 @@ class DrafterConfig:
             fields.fail(f"rms_norm_eps must be a positive number, got {rms_norm_eps!r}")
         attention_bias = fields.boolean("attention_bias", raw.get("attention_bias"))
 
-        known = {*READ_FIELDS, *DFLASH_FIELDS, *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS}
+        known = {*READ_FIELDS, *DFLASH_FIELDS, *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS,
+                 *(SPECULATORS_FIELDS if speculators else ())}
         unknown = sorted(set(raw) - known)
         if unknown:
             fields.warn(f"fields not read by dflash-eval: {unknown}. If one changes the drafter's math, this "
@@ -213,11 +239,17 @@ class DrafterConfig:
             block_size=block_size, mask_token_id=_mask_token_id(fields, mask_token_id, tokenizer),
             target_layer_ids=tuple(layer_ids), layer_ids_from_fallback=from_fallback,
             num_target_layers=num_target_layers, vocab_size=raw.get("vocab_size"), layer_types=layer_types,
-            sliding_window=window, rope=rope, raw=raw, is_causal=is_causal,
+            sliding_window=window, rope=rope, raw=given, is_causal=is_causal,
             input_embedding_scale=1.0 if scale is None else float(scale),
             output_multiplier=float(fields.dflash("output_multiplier") or 1.0),
             final_logit_softcapping=_softcap(fields.dflash("final_logit_softcapping")),
             architecture=architecture, **_dflash2_shapes(fields, architecture, hidden),
+            draft_vocab_size=raw["draft_vocab_size"] if raw.get("draft_vocab_size") not in (None, raw.get("vocab_size"))
+            else None,
+            drafts_from_anchor=bool(raw.get("drafts_from_anchor", False)),
+            sliding_semantics=raw.get("sliding_semantics"),
+            verifier_architectures=tuple(raw["verifier_architectures"]) if raw.get("verifier_architectures") else None,
+            source_format="speculators" if speculators else "published",
         )
 
 
@@ -356,8 +388,9 @@ class _Fields:
         return value
 
 
-def _refuse_unimplemented(fields: _Fields) -> None:
-    """Refuse, by name, every field that asks for math drafter.py does not compute."""
+def _refuse_unimplemented(fields: _Fields, reduced_vocabulary: bool = False) -> None:
+    """Refuse, by name, every field that asks for math drafter.py does not compute. reduced_vocabulary: the format
+    stores a reduced vocabulary's head and token map (speculators), which drafter.py computes."""
     raw, nested = fields.raw, fields.nested
     architectures = raw.get("architectures")
     if architectures is not None and not (isinstance(architectures, list) and len(architectures) == 1
@@ -384,7 +417,7 @@ def _refuse_unimplemented(fields: _Fields) -> None:
                         f"not compute; the score would be wrong. Supported: {' or '.join(map(repr, off)) or 'absent'}")
     # SpecForge writes draft_vocab_size into every export; only EAGLE-style drafters shrink it (d2t/t2d maps)
     draft_vocab = raw.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != raw.get("vocab_size"):
+    if draft_vocab is not None and draft_vocab != raw.get("vocab_size") and not reduced_vocabulary:
         fields.fail(f"draft_vocab_size {draft_vocab!r} != vocab_size {raw.get('vocab_size')!r}: a reduced draft "
                     "vocabulary (EAGLE-style token maps), which DFlash drafters do not have and this implementation "
                     "does not compute")

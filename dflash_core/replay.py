@@ -151,7 +151,9 @@ class BlockScorer:
                 raise ValueError(f"reference {i}: token ids {bad[:5]} are outside the target's vocabulary of "
                                  f"{vocab_size}")
         self.drafter = drafter
-        self.B = drafter.block_size if block_size is None else check_block_size(block_size, drafter.block_size)
+        # the drafter's slots per block, and the tokens a step verifies (one more when the anchor's slot drafts too)
+        self.slots = drafter.block_size if block_size is None else check_block_size(block_size, drafter.block_size)
+        self.B = drafter.cfg.verified_tokens(self.slots)
         device, dtype = drafter.device, drafter.dtype
         self.embed = embed_weight.to(device=device, dtype=dtype)  # [V, H]
         self.head = head_weight.to(device=device, dtype=dtype)  # [V, H]
@@ -180,8 +182,9 @@ class BlockScorer:
         return truth
 
     def _hidden(self, blocks: Sequence[tuple[int, int]], truth: torch.Tensor) -> torch.Tensor:
-        """The drafter's last hidden states for each block [N, B, H]."""
-        N, B = len(blocks), self.B
+        """The drafter's last hidden states for each block [N, B, H]: hidden[:, k] drafts block position k = 1..B-1
+        (when the anchor's slot drafts too, slot k - 1 does: a row of zeros stands at 0)."""
+        N, B = len(blocks), self.slots
         seqs = [s for s, _ in blocks]
         starts = torch.tensor([p for _, p in blocks], device=self.drafter.device)
         S = int(starts.max())
@@ -202,6 +205,8 @@ class BlockScorer:
                     k[n, :, :p], v[n, :, :p] = self.context[s][layer][0][:, :p], self.context[s][layer][1][:, :p]
                 context.append((k, v))
             hidden = self.drafter(block_embeds, starts, context)  # [N, B, H]
+        if self.drafter.cfg.drafts_from_anchor:
+            hidden = torch.cat([hidden.new_zeros(N, 1, hidden.shape[-1]), hidden], 1)
         return hidden
 
     @property
@@ -217,7 +222,7 @@ class BlockScorer:
         hidden = self._hidden(blocks, truth)
         last = self.B if positions is None else 1 + positions
         if self.drafter.candidate_selector is None:
-            return (hidden[:, 1:last] @ self.head.T).argmax(-1).tolist()
+            return self.drafter.draft(hidden[:, 1:last], self.head, truth[:, :last - 1]).tokens.tolist()
         previous, drafted = truth[:, 0], []
         for k in range(1, last):
             previous = self.drafter.draft(hidden[:, k], self.head, previous).tokens

@@ -329,6 +329,7 @@ class TargetConfig:
     num_layers: int
     max_positions: int | None
     eos_token_ids: tuple[int, ...]  # from generation_config.json, else config.json
+    architectures: tuple[str, ...] = ()  # config.json's
 
 
 def checkpoint_dtype(path) -> str | None:
@@ -384,6 +385,7 @@ def read_target_config(path) -> TargetConfig:
         num_layers=text.num_hidden_layers,
         max_positions=getattr(text, "max_position_embeddings", None),
         eos_token_ids=tuple(int(e) for e in eos),
+        architectures=tuple(getattr(config, "architectures", None) or ()),
     )
 
 

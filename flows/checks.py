@@ -20,6 +20,7 @@ import json
 import os
 import stat
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +36,13 @@ from dflash_core.checkpoint_files import (
     weight_file_problem,
     weight_files,
 )
-from dflash_core.drafter_config import DrafterConfig, DrafterError, check_compatible, chosen_block_size
+from dflash_core.drafter_config import (
+    DrafterConfig,
+    DrafterConfigWarning,
+    DrafterError,
+    check_compatible,
+    chosen_block_size,
+)
 from dflash_core.prompts import PromptError, read_completions
 from dflash_core.sampling import Sampling, Served
 from dflash_core.target import read_target_config
@@ -135,6 +142,11 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
             check_compatible(config, target_config.hidden_size, target_config.vocab_size, target_config.num_layers)
         except DrafterError as e:
             raise InputError(f"{which} {source} does not fit target {target}: {e}") from None
+        verifier = config.verifier_architectures  # a speculators save names the target it was trained against
+        if verifier and target_config.architectures and not set(verifier) & set(target_config.architectures):
+            warnings.warn(f"{which} {source} was trained against a {', '.join(verifier)} (speculators_config."
+                          f"verifier); the target {target} is a {', '.join(target_config.architectures)}: its "
+                          "features may not be the ones the drafter reads", DrafterConfigWarning, stacklevel=2)
         for field, size in requested:
             try:
                 chosen_block_size(size, config.block_size)

@@ -84,7 +84,8 @@ def evaluate(checked: CheckedEvaluation):
     if checked.runs("references"):
         refs = runs.add("references", generate_references(
             target, inputs.prompt_set, inputs.max_new_tokens, store, reference=generation.reference,
-            lookahead=checked.drafter.block_size - 1 if generation.lookahead else 0, thinking=inputs.thinking,
+            lookahead=checked.drafter.verified_tokens(checked.drafter.block_size) - 1 if generation.lookahead else 0,
+            thinking=inputs.thinking,
             concurrency=generation.concurrency, reference_api_key_file=generation.reference_api_key_file,
             sampling=checked.served.sampling, samples=checked.served.samples, seed=checked.served.seed,
             given=inputs.references, target_name=checked.target_name, refresh="references" in refresh,

@@ -32,13 +32,22 @@ from pathlib import Path
 TRACKER_SUFFIX = ".dflash-eval"  # our own event files (reporting.tracker): never read as the trainer's
 
 # canonical name -> the names trainers log it under, preferred first
-ACCURACY = ("train/acc", "train/accuracy", "accuracy", "train_accuracy")
-EVAL_ACCURACY = ("eval/avg_acc", "eval/accuracy", "eval_accuracy")
+# (speculators: its validation values once per epoch, `val/<name>_epoch`, then its training ones)
+ACCURACY = ("train/acc", "train/accuracy", "accuracy", "train_accuracy", "train/full_acc")
+EVAL_ACCURACY = ("eval/avg_acc", "eval/accuracy", "eval_accuracy", "val/full_acc_epoch")
 LOSS = ("train/loss", "loss")
-EVAL_LOSS = ("eval/avg_loss", "eval_loss")
-TRAINER_ACCEPTANCE = ("eval/simulated_acc_len", "train/dflash/expected_acc_len")
+EVAL_LOSS = ("eval/avg_loss", "eval_loss", "val/loss_epoch")
+# speculators' eal: the accepted length, bonus included, of its teacher-forced drafts (on DFlash2, the selector's)
+TRAINER_ACCEPTANCE = ("eval/simulated_acc_len", "train/dflash/expected_acc_len", "val/eal_epoch", "train/eal")
 # per-position accuracies: <base>_<k> or <base>/<k>, k from 0 (the first drafted position)
 PER_POSITION = ("eval/per_position_acc", "eval/acceptance_rate", "train/dflash/acc", "train/acc", "eval_acc", "acc")
+# ... or named with the position inside (speculators), from 1 (from 0 when its anchor slot drafts too)
+PER_POSITION_NAMED = ("val/position_{k}_acc_epoch", "train/position_{k}_acc")
+# DFlash2 (speculators): its selector's teacher-forced accuracy, the unary head's top-K recall and the accepted
+# length of an oracle choosing among those K (names with K in them)
+SELECTOR_ACCURACY = ("val/teacher_forced_selector_acc_epoch", "train/teacher_forced_selector_acc")
+CANDIDATE_RECALL = (r"val/unary_candidate_recall_at_\d+_epoch", r"train/unary_candidate_recall_at_\d+")
+ORACLE_ACCEPTANCE = (r"val/unary_top_\d+_oracle_accepted_length_epoch", r"train/unary_top_\d+_oracle_accepted_length")
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,10 @@ class TrainingPoint:
     trainer_acceptance_metric: str | None
     per_position_accuracy: list[float] | None  # position 1, 2, ... of the block
     per_position_metric: str | None
+    # DFlash2 trainers that log them (speculators): SELECTOR_ACCURACY, CANDIDATE_RECALL, ORACLE_ACCEPTANCE
+    selector_accuracy: float | None = None
+    candidate_recall: float | None = None
+    oracle_acceptance: float | None = None
 
     @property
     def implied_acceptance(self) -> float | None:
@@ -77,7 +90,10 @@ class TrainingPoint:
                 "trainer_acceptance": self.trainer_acceptance,
                 "trainer_acceptance_metric": self.trainer_acceptance_metric,
                 "per_position_accuracy": self.per_position_accuracy, "per_position_metric": self.per_position_metric,
-                "implied_acceptance": self.implied_acceptance}
+                "implied_acceptance": self.implied_acceptance,
+                **{name: value for name, value in (("selector_accuracy", self.selector_accuracy),
+                                                   ("candidate_recall", self.candidate_recall),
+                                                   ("oracle_acceptance", self.oracle_acceptance)) if value is not None}}
 
 
 @dataclass
@@ -98,7 +114,9 @@ class TrainingLog:
         """The values logged last at or before `step`: what the trainer knew when it saved that step."""
         found: dict[str, tuple[str, int, float] | None] = {}
         for name, names in (("accuracy", ACCURACY), ("eval_accuracy", EVAL_ACCURACY), ("loss", LOSS),
-                            ("eval_loss", EVAL_LOSS), ("trainer_acceptance", TRAINER_ACCEPTANCE)):
+                            ("eval_loss", EVAL_LOSS), ("trainer_acceptance", TRAINER_ACCEPTANCE),
+                            ("selector_accuracy", SELECTOR_ACCURACY), ("candidate_recall", self._named(CANDIDATE_RECALL)),
+                            ("oracle_acceptance", self._named(ORACLE_ACCEPTANCE))):
             found[name] = self._latest(names, step)
         positions = self._per_position(step)
         logged = [f[1] for f in found.values() if f] + ([positions[2]] if positions else [])
@@ -116,13 +134,22 @@ class TrainingLog:
                 return (name, *before[-1])
         return None
 
+    def _named(self, patterns: Sequence[str]) -> list[str]:
+        """The logged names matching each pattern (a regular expression), in the patterns' order."""
+        return [name for pattern in patterns for name in sorted(self.scalars) if re.fullmatch(pattern, name)]
+
     def _per_position(self, step: int) -> tuple[str, list[float], int] | None:
         """(base name, accuracies by position, the step they were logged at) of the first per-position base
-        logged at or before step, positions 0.. without gaps."""
-        for base in PER_POSITION:
+        logged at or before step, positions from the first drafted one, without gaps."""
+        # (base, its names with the position as {k}, the first position)
+        bases: list[tuple[str, tuple[str, ...], int]] = [(base, (base + "_{k}", base + "/{k}"), 0)
+                                                         for base in PER_POSITION]
+        bases += [(template, (template,), 0 if template.format(k=0) in self.scalars else 1)
+                  for template in PER_POSITION_NAMED]
+        for base, templates, first in bases:
             values = []
-            for k in range(64):
-                latest = self._latest((f"{base}_{k}", f"{base}/{k}"), step)
+            for k in range(first, first + 64):
+                latest = self._latest([t.format(k=k) for t in templates], step)
                 if latest is None:
                     break
                 values.append(latest)

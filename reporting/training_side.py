@@ -221,7 +221,8 @@ def _percentages(values) -> str:
 
 def holds_training_log(folder: Path) -> bool:
     """Whether a local folder holds anything a trainer writes (dflash_eval.reporting.training_log)."""
-    return folder.is_dir() and ((folder / "runs").is_dir() or any(folder.glob("*.best_meta.json"))
+    return folder.is_dir() and ((folder / "runs").is_dir() or (folder / "logs").is_dir()  # (logs: speculators')
+                                or any(folder.glob("*.best_meta.json"))
                                 or (folder / "trainer_state.json").is_file()
                                 or any(folder.glob("checkpoint-*/trainer_state.json")))
 

@@ -56,7 +56,8 @@ class Drafts:
 
     key: str
     path: str
-    block_size: int
+    block_size: int  # the drafter's slots per block
+    verified_tokens: int  # what a step verifies at most: block_size, or one more when the anchor's slot drafts too
     sliding_semantics: str
     shards: tuple[dict[str, Any], ...] | None = None  # DraftsRecord.shards: who drafted them on a cluster
     draft_sampling: dict[str, Any] | None = None  # DraftsRecord.draft_sampling: None, greedy drafts
@@ -116,6 +117,7 @@ def draft(
     `seed` and its id (dflash_core.sampled_drafts). None: greedy drafts."""
     store = Store(store_location)
     config = checkpoint.config
+    sliding_semantics = config.sliding_semantics or sliding_semantics  # a config that fixes them (speculators) wins
     if block_size is not None and not 2 <= block_size < config.block_size:
         raise ValueError(f"block size {block_size} is not one chosen for a drafter of block size {config.block_size}: "
                          "give chosen_block_size(requested, own) (None: its own block size)")
@@ -168,6 +170,7 @@ def draft(
     if outcome.computed and dask_address:
         remove_draft_shards(store, key, groups)  # drafts.json holds them now
     drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record.block_size,
+                    verified_tokens=config.verified_tokens(record.block_size),
                     sliding_semantics=record.sliding_semantics, shards=record.shards,
                     draft_sampling=record.draft_sampling)
     return drafts if outcome.computed else cached(drafts)

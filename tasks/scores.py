@@ -48,7 +48,7 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         per_prompt = read_json(Path(drafts.path) / DRAFTS_FILE)["per_prompt"]
         items = load_references(refs)
         prompts = [prompt_score(item, d) for item, d in zip(items, per_prompt)]
-        summary = summarize(prompts, drafts.block_size, lookahead=refs.lookahead > 0)
+        summary = summarize(prompts, drafts.verified_tokens, lookahead=refs.lookahead > 0)
         if all("unary" in d for d in per_prompt):  # a DFlash2 drafter: its selector against its unary head alone
             scored = [(p, prompt_score(item, d["unary"]), d["selector_positions"])
                       for p, item, d in zip(prompts, items, per_prompt) if p.acceptance_lengths]

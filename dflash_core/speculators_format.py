@@ -1,0 +1,113 @@
+"""vLLM's `speculators` saves of DFlash and DFlash2 drafters, read as the published (z-lab) config they describe.
+
+speculators (the library vLLM's teams train with; 0.9.0) writes `architectures` like z-lab, but the rest of its
+config.json is its own, told apart by `speculators_model_type` (dflash, dflash2):
+
+- the Qwen3 fields sit under `transformer_layer_config`; `block_size`, `mask_token_id` and DFlash2's four shape
+  fields at the top level;
+- `aux_hidden_state_layer_ids` count one higher than z-lab's `target_layer_ids`: aux id L is Hugging Face's
+  `hidden_states[L]`, z-lab's id t is `hidden_states[t + 1]` (speculators' own converter writes t + 1, vLLM maps
+  back with L - 1). Read as z-lab ids, every feature would be one layer off, silently;
+- `draft_vocab_size` below the target's: the drafter has its own `lm_head` over that vocabulary and a `d2t` table
+  (target id = draft id + d2t[draft id]; `t2d` marks the kept target tokens), as EAGLE-3 and vLLM read it. At the
+  full vocabulary no head is saved and the target's is used;
+- `sample_from_anchor`: the anchor's slot drafts too (slot t predicts token anchor + t + 1: a step verifies
+  block_size drafts, not block_size - 1);
+- `sliding_window_non_causal`: whether its sliding layers see the whole block (full layers always do);
+- `speculators_config.verifier`: the target it was trained against (a hub id or a path on the trainer's machine):
+  the target given to dflash-eval is used, and a verifier of another architecture is named in a warning.
+
+`published_config` turns such a config into the published one (with two fields of dflash-eval's own,
+SPECULATORS_FIELDS), so that DrafterConfig reads, checks and refuses every field as for any drafter.
+"""
+
+from collections.abc import Iterable
+from typing import Any, NoReturn
+
+
+class SpeculatorsConfigError(ValueError):
+    """A speculators config that cannot stand for a drafter read here (drafter_config raises it as a DrafterError)."""
+
+# speculators_model_type -> the architecture it is
+MODEL_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+
+# What published_config adds beside the published fields: read by DrafterConfig, never written by z-lab.
+SPECULATORS_FIELDS = ("drafts_from_anchor", "sliding_semantics", "verifier_architectures")
+
+# Top-level fields of a speculators config and what becomes of them.
+TRANSLATED = ("speculators_model_type", "transformer_layer_config", "aux_hidden_state_layer_ids", "block_size",
+              "mask_token_id", "draft_vocab_size", "sample_from_anchor", "sliding_window_non_causal",
+              "speculators_config", "target_hidden_size")
+IGNORED = {
+    "architectures": "speculators_model_type says which drafter it is",
+    "speculators_version": "provenance", "transformers_version": "provenance",
+    "dtype": "the caller chooses the compute dtype", "torch_dtype": "the caller chooses the compute dtype",
+    "auto_map": "remote code is never run",
+    "tie_word_embeddings": "the drafter has no embedding: the target's is used",
+}
+
+
+def is_speculators_config(raw: dict[str, Any]) -> bool:
+    """Whether a config.json was written by speculators."""
+    return "speculators_model_type" in raw
+
+
+def published_config(raw: dict[str, Any], source: str, dflash_fields: Iterable[str]) -> dict[str, Any]:
+    """The published config of a speculators config.json (module docstring): the top-level fields among
+    `dflash_fields` (the published dflash_config's: mask_token_id, DFlash2's four, ...) go into dflash_config.
+    SpeculatorsConfigError naming `source` and the field for one it cannot stand for."""
+    dflash_fields = tuple(dflash_fields)
+
+    def fail(message: str) -> NoReturn:
+        raise SpeculatorsConfigError(f"{source}: {message}")
+
+    kind = raw.get("speculators_model_type")
+    if kind not in MODEL_TYPES:
+        fail(f"speculators_model_type {kind!r}: the speculators drafters read here are {', '.join(MODEL_TYPES)} "
+             "(DFlash and DFlash2); score this checkpoint with its own implementation")
+    layer = raw.get("transformer_layer_config")
+    if not isinstance(layer, dict):
+        fail("a speculators config needs transformer_layer_config (the drafter's Qwen3 fields), got "
+             f"{type(layer).__name__}")
+    aux = raw.get("aux_hidden_state_layer_ids")
+    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and not isinstance(i, bool) for i in aux)):
+        fail(f"aux_hidden_state_layer_ids must be a non-empty list of layer ids, got {aux!r}")
+    if min(aux) < 1:
+        fail(f"aux_hidden_state_layer_ids {aux}: id 0 is the target's embeddings (hidden_states[0]), which "
+             "dflash-eval does not extract; the ids it reads are 1 .. the target's layers")
+    unknown = sorted(set(raw) - set(TRANSLATED) - set(IGNORED) - set(dflash_fields))
+    if unknown:
+        fail(f"speculators fields {unknown} are not read by dflash-eval: each may change the drafter's math. "
+             f"Read: {', '.join(TRANSLATED)}")
+
+    published = {key: value for key, value in layer.items() if key not in ("architectures", "dflash_config")}
+    vocab = layer.get("vocab_size")
+    hidden = layer.get("hidden_size")
+    if raw.get("target_hidden_size") not in (None, hidden):
+        fail(f"target_hidden_size {raw['target_hidden_size']} differs from the drafter's hidden_size {hidden}: a "
+             "drafter reading features of another width, which DFlash drafters are not")
+    draft_vocab = raw.get("draft_vocab_size")
+    if draft_vocab is not None and not (isinstance(draft_vocab, int) and isinstance(vocab, int) and 1 <= draft_vocab <= vocab):
+        fail(f"draft_vocab_size must be an integer from 1 to vocab_size ({vocab!r}), got {draft_vocab!r}")
+    if draft_vocab is not None and draft_vocab != vocab and kind == "dflash2":
+        fail(f"draft_vocab_size {draft_vocab} < vocab_size {vocab}: a DFlash2 selector chooses among the full "
+             "vocabulary's tokens (speculators refuses to train this too)")
+    dflash = {key: raw[key] for key in dflash_fields if raw.get(key) is not None and key != "block_size"}
+    dflash["target_layer_ids"] = [i - 1 for i in aux]
+    non_causal = raw.get("sliding_window_non_causal")
+    if non_causal is not None and not isinstance(non_causal, bool):
+        fail(f"sliding_window_non_causal must be true or false, got {non_causal!r}")
+    from_anchor = raw.get("sample_from_anchor", False)
+    if not isinstance(from_anchor, bool):
+        fail(f"sample_from_anchor must be true or false, got {from_anchor!r}")
+    verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
+    published.update({
+        "architectures": [MODEL_TYPES[kind]],
+        "block_size": raw.get("block_size"),
+        "draft_vocab_size": draft_vocab if draft_vocab is not None else vocab,
+        "dflash_config": dflash,
+        "drafts_from_anchor": from_anchor,
+        "sliding_semantics": "non_causal" if non_causal else "causal",
+        "verifier_architectures": verifier.get("architectures"),
+    })
+    return published
