@@ -73,7 +73,9 @@ STEP_FILES = ("trainer_state.json", "training_state.json")
 TEMPORARY_SUFFIXES = (".tmp", ".partial", ".incomplete", ".lock")
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header's length
 
-_TRAILING_NUMBER = re.compile(r"(\d+)$")
+# a save's step ends its name, alone or after a separator or a step word (step_400, checkpoint-1000, iter42, run-step1500,
+# speculators' 3); a number glued to another letter is part of a model's name (Qwen3-8B-DFlash-b16), not a step
+_TRAILING_NUMBER = re.compile(r"(?:^|[-_.]|step|iter|ckpt|checkpoint)(\d+)$", re.IGNORECASE)
 _SHARD = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 
 
@@ -359,7 +361,7 @@ def training_step(directory: str | Path, name: str | None = None) -> int | None:
 
 
 def step_from_name(name: str) -> int | None:
-    """The trailing number of a checkpoint's name, or None."""
+    """The training step a checkpoint's name ends with (see _TRAILING_NUMBER), or None."""
     match = _TRAILING_NUMBER.search(name.rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
 

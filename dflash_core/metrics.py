@@ -342,6 +342,31 @@ def selector_summary(prompts: Sequence[PromptScore], unary: Sequence[PromptScore
     }
 
 
+def benchmark_summary(prompts: Sequence[PromptScore], groups: dict[str, str], draws: int = 1000,
+                      seed: int = 0) -> dict:
+    """Per benchmark (a prompt's category) and per group of benchmarks (`groups`: benchmark -> group, in the
+    order to show them), as z-lab's tables give them: each benchmark's tau_macro with its 95% interval and
+    responses, and each group's Average (the plain mean of its benchmarks' taus) with a stratified interval (each
+    benchmark's prompts resampled within it). Benchmarks without a scored prompt are left out."""
+    scored = {name: [p for p in prompts if p.category == name and p.acceptance_lengths] for name in groups}
+    scored = {name: ps for name, ps in scored.items() if ps}
+    taus = {name: tau_macro(ps) for name, ps in scored.items()}
+    benchmarks = {name: {"tau": taus[name], "ci95": bootstrap_interval(ps, tau_macro, draws, seed),
+                         "responses": len(ps)} for name, ps in scored.items()}
+    rng = random.Random(seed)
+    grouped: dict[str, list[str]] = {}
+    for name in scored:
+        grouped.setdefault(groups[name], []).append(name)
+    units = {name: by_prompt(ps) for name, ps in scored.items()}
+    draws_by_name = {name: [tau_macro(_two_levels(units[name], rng)) for _ in range(draws)] for name in scored}
+    averages = {}
+    for group, names in grouped.items():
+        means = [sum(draws_by_name[n][d] for n in names) / len(names) for d in range(draws)]
+        averages[group] = {"tau": sum(taus[n] for n in names) / len(names),
+                           "ci95": _percentiles(means, 0.95), "benchmarks": names}
+    return {"benchmarks": benchmarks, "groups": averages}
+
+
 def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool = False) -> dict:
     """The scores record: tau (macro, pooled), histogram, clipped steps and per-prompt detail (JSON-able).
 

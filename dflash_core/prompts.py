@@ -68,6 +68,29 @@ class PromptError(ValueError):
 
 
 @dataclass(frozen=True)
+class ChatFormat:
+    """How a published protocol templates and tokenizes a conversation (dflash_core.published.protocols): the
+    chat template rendered to text with the generation prompt and these arguments, then encoded with or without
+    the tokenizer's special tokens. A prompt without one is templated straight to ids with `enable_thinking`."""
+
+    template_kwargs: tuple[tuple[str, Any], ...] = ()
+    special_tokens: bool = False
+
+    def text(self, tokenizer, messages: list[dict]) -> str:
+        """The templated text of `messages`."""
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **dict(self.template_kwargs))
+
+    def ids(self, tokenizer, messages: list[dict]) -> list[int]:
+        """The token ids the protocol feeds the target for `messages`."""
+        return [int(t) for t in tokenizer.encode(self.text(tokenizer, messages),
+                                                 add_special_tokens=self.special_tokens)]
+
+    def identity(self) -> dict:
+        return {"template_kwargs": dict(self.template_kwargs), "special_tokens": self.special_tokens}
+
+
+@dataclass(frozen=True)
 class Prompt:
     """One prompt of a set: its token ids and where it came from."""
 
@@ -79,6 +102,7 @@ class Prompt:
     # All the user turns of a multi-turn prompt (input_ids is the first turn's prompt);
     # empty for single-turn prompts and for text/messages/input_ids prompts.
     turns: tuple[str, ...] = ()
+    chat: ChatFormat | None = None  # a published benchmark's prompt: how its protocol templates every turn
 
 
 def _type_name(value) -> str:
@@ -312,7 +336,8 @@ def turn_prompt_ids(tokenizer, prompt: Prompt, answers: Sequence[str], thinking:
     """Token ids of the prompt for turn k = len(answers) + 1 of a multi-turn `prompt`.
 
     The chat template over [user turn 1, assistant answers[0], user turn 2, ..., user turn k],
-    with the generation prompt added and `enable_thinking=thinking` (as `read_prompts`).
+    with the generation prompt added and `enable_thinking=thinking` (as `read_prompts`), or as the prompt's
+    `chat` format says (a published benchmark's).
     `answers` are the target's own decoded answers to turns 1 .. k-1. Turn 1's prompt is
     `prompt.input_ids`; this is for 1 < k <= len(prompt.turns). Raises `ValueError` for k
     out of that range, an answer that is not a string, or a tokenizer without a chat template.
@@ -339,6 +364,8 @@ def turn_prompt_ids(tokenizer, prompt: Prompt, answers: Sequence[str], thinking:
                 f"answer {i} must be a string (the decoded answer), got {_type_name(answer)}")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"prompt {prompt.id!r}: {_NO_CHAT_TEMPLATE}")
+    if prompt.chat is not None:
+        return prompt.chat.ids(tokenizer, _conversation(prompt.turns, answers))
     return _chat_template_ids(tokenizer, _conversation(prompt.turns, answers), thinking)
 
 
@@ -347,14 +374,17 @@ def prompt_set_identity(prompts: list[Prompt]) -> list[dict]:
 
     A cache key over the prompt set hashes this; the line numbers and source fields are left
     out, so the same prompts written another way (e.g. `text` or `input_ids`) give the same key.
-    A multi-turn prompt adds its user `turns` (its later prompts depend on them); single-turn
-    prompts have no `turns` key, so their identity is unchanged.
+    A multi-turn prompt adds its user `turns` (its later prompts depend on them), and a published
+    benchmark's prompt its `chat` format (so do they); other prompts have neither key, so their
+    identity is unchanged.
     """
     identity = []
     for p in prompts:
         item: dict[str, Any] = {"id": p.id, "category": p.category, "input_ids": list(p.input_ids)}
         if p.turns:
             item["turns"] = list(p.turns)
+        if p.chat is not None:
+            item["chat"] = p.chat.identity()
         identity.append(item)
     return identity
 

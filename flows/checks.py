@@ -44,6 +44,7 @@ from dflash_core.drafter_config import (
     chosen_block_size,
 )
 from dflash_core.prompts import PromptError, read_completions
+from dflash_core.published.benchmarks import BenchmarkError
 from dflash_core.sampling import Sampling, Served
 from dflash_core.target import read_target_config
 from dflash_eval.services.reference.backends import BackendError, open_backend
@@ -53,10 +54,10 @@ from dflash_eval.storage.object_storage import ObjectStorageError
 from dflash_eval.tasks.cluster import ClusterUnreachable, check_cluster
 from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, read_config
 from dflash_eval.tasks.progress import stage_logger
-from dflash_eval.tasks.references import load_prompts
+from dflash_eval.tasks.references import PromptChoice, load_prompts
 from dflash_eval.tasks.target import DtypeChoice, resolve_dtype, target_tokenizer
 
-from .settings import STAGES, Evaluation, SettingsError, parameter_name
+from .settings import STAGES, Evaluation, Inputs, SettingsError, parameter_name
 
 
 class InputError(ValueError):
@@ -162,8 +163,8 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
         n_prompts = check_given_references(inputs.references, target, inputs.thinking, target_config,
                                            name("references"))
     else:
-        n_prompts = check_prompts(str(inputs.prompts), target, inputs.thinking, inputs.max_new_tokens,
-                                  target_config, name("max_new_tokens"))
+        n_prompts = check_prompts(prompt_choice(inputs), target, inputs.max_new_tokens, target_config,
+                                  name("max_new_tokens"))
     if generation.reference != "local":
         try:
             backend = open_backend(generation.reference, AutoTokenizer.from_pretrained(target),
@@ -210,13 +211,19 @@ def check_target(target: str):
         raise InputError(f"target {target}: {e}") from None
 
 
-def check_prompts(prompts: str, target: str, thinking: bool, max_new_tokens: int, target_config,
+def prompt_choice(inputs: Inputs) -> PromptChoice:
+    """What the references stage reads the prompts from (the inputs' prompts, else their references file)."""
+    return PromptChoice(inputs.prompt_set, inputs.thinking, inputs.protocol, inputs.data, inputs.max_samples,
+                        inputs.reasoning)
+
+
+def check_prompts(choice: PromptChoice, target: str, max_new_tokens: int, target_config,
                   max_new_tokens_name: str = "--max-new-tokens") -> int:
-    """Read a prompt set as the references stage will (InputError naming the file and line); each prompt plus the
-    completion must fit the target's context. Returns its number of prompts."""
+    """Read a prompt set as the references stage will (InputError naming the file and line, or the published
+    benchmark); each prompt plus the completion must fit the target's context. Returns its number of prompts."""
     try:
-        prompt_set = load_prompts(prompts, target, thinking)
-    except PromptError as e:
+        prompt_set = load_prompts(choice, target).prompts
+    except (PromptError, BenchmarkError) as e:
         raise InputError(str(e)) from None
     longest = max(len(p.input_ids) for p in prompt_set)
     if target_config.max_positions is not None and longest + max_new_tokens > target_config.max_positions:

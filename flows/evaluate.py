@@ -50,7 +50,7 @@ from dflash_eval.tasks.stage import refusals_fail_cleanly
 from dflash_eval.tasks.target import AUTO
 from dflash_eval.tasks.threads import leases_threads
 
-from .checks import CheckedEvaluation, InputError, check_evaluation
+from .checks import CheckedEvaluation, InputError, check_evaluation, prompt_choice
 from .results import StageRuns, evaluation_results, outcome
 from .settings import GROUPS, STAGES, Evaluation
 
@@ -83,9 +83,8 @@ def evaluate(checked: CheckedEvaluation):
         mark_baseline(baseline, store)
     if checked.runs("references"):
         refs = runs.add("references", generate_references(
-            target, inputs.prompt_set, inputs.max_new_tokens, store, reference=generation.reference,
+            target, prompt_choice(inputs), inputs.max_new_tokens, store, reference=generation.reference,
             lookahead=checked.drafter.verified_tokens(checked.drafter.block_size) - 1 if generation.lookahead else 0,
-            thinking=inputs.thinking,
             concurrency=generation.concurrency, reference_api_key_file=generation.reference_api_key_file,
             sampling=checked.served.sampling, samples=checked.served.samples, seed=checked.served.seed,
             given=inputs.references, target_name=checked.target_name, refresh="references" in refresh,

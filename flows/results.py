@@ -6,7 +6,9 @@ from typing import Any, cast
 
 from prefect.states import State
 
+from dflash_core.checkpoint_files import model_name
 from dflash_core.choices import DEFAULT_REPLAY_GROUP
+from dflash_core.published.numbers import Setting, beside_published
 from dflash_eval.storage import read_json
 from dflash_eval.tasks.fetch import source_step
 
@@ -53,6 +55,7 @@ def evaluation_results(checked: CheckedEvaluation, runs: StageRuns) -> dict:
         "reference": e.generation.reference,
         "lookahead": e.generation.lookahead,
         "thinking": e.inputs.thinking,
+        **({"protocol": e.inputs.protocol, "reasoning": e.inputs.reasoning} if e.inputs.benchmarks else {}),
         "max_new_tokens": e.inputs.max_new_tokens,
         "served": served.to_json(),
         "layer_ids": list(config.target_layer_ids),
@@ -82,6 +85,12 @@ def evaluation_results(checked: CheckedEvaluation, runs: StageRuns) -> dict:
         }
     if "diagnostics" in out:
         results["diagnostics"] = read_json(out["diagnostics"].path)
+    if "by_benchmark" in results and "references" in out and out["references"].benchmarks:
+        inputs, sampling = e.inputs, served.sampling
+        setting = Setting(checked.target_name, model_name(e.drafter), sampling.temperature, sampling.top_p,
+                          sampling.top_k, results["block_size"], str(inputs.protocol), inputs.max_new_tokens,
+                          inputs.reasoning, served.draft_sample_method)
+        results["benchmarks"] = beside_published(results.pop("by_benchmark"), out["references"].benchmarks, setting)
     return results
 
 

@@ -24,6 +24,8 @@ from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_core.choices import DEFAULT_REPLAY_GROUP
+from dflash_core.published.benchmarks import BenchmarkError, benchmark_names
+from dflash_core.published.protocols import DEFAULT_PROTOCOL, PROTOCOLS, ProtocolName
 
 # The stages of an evaluation, in pipeline order (the store's other stages are bookkeeping: baselines, shards); the
 # store's names for them (storage.schema.Stage).
@@ -75,20 +77,58 @@ class Inputs(Group):
     panel = "Inputs"
     target: Annotated[str, Cli(path=True)] = Field(description="Target model folder (Hugging Face format).")
     prompts: Annotated[str | None, Cli(path=True)] = Field(None, description=(
-        "A suite (math, code, chat, multiturn) or a JSONL file: id + one of text/messages/turns/input_ids, optional "
-        "category."))
+        "A suite (math, code, chat, multiturn), a JSONL file (id + one of text/messages/turns/input_ids, optional "
+        "category), or published benchmarks, comma-separated: gsm8k, math500, aime24, aime25, humaneval, mbpp, "
+        "livecodebench, swe-bench, lbpp, mt-bench, alpaca, or zlab-paper (the paper's ten)."))
     references: Annotated[str | None, Cli(path=True)] = Field(None, description=(
         "Completions you already have (a JSONL file: id, input_ids and completion_ids, or a text/messages prompt and "
         "a completion text), e.g. a server's logged outputs: stored as the references instead of generating them "
         "(no --prompts needed)."))
-    max_new_tokens: int = Field(256, ge=1, description="Greedy reference length limit per prompt.")
-    thinking: bool = Field(False, description="enable_thinking in the chat template.")
+    max_new_tokens: int = Field(256, ge=1, description=(
+        "Reference length limit per prompt (default 256; published benchmarks: their protocol's 2048)."))
+    thinking: bool = Field(False, description="enable_thinking in the chat template (a suite or a prompt file).")
+    protocol: ProtocolName | None = Field(None, description=(
+        "Published benchmarks: the version of z-lab's protocol that picks, templates, tokenizes and stops them: "
+        "zlab-2026-01 (the paper's tables; the default), zlab-2026-04 or dflash-0.1 (PyPI dflash 0.1.0)."))
+    data: Annotated[str | None, Cli(metavar="[NAME=]PATH,...")] = Field(None, description=(
+        "Published benchmarks: local copies in the dataset's own layout (its downloaded folder, or its parquet/jsonl "
+        "files), as NAME=PATH pairs (one PATH for one benchmark); the others come from a package that ships them, "
+        "else the hub (or its cache with HF_DATASETS_OFFLINE=1)."))
+    max_samples: int | None = Field(None, ge=1, description=(
+        "Published benchmarks: rows of each, picked as the protocol picks them (default: zlab-2026-01's run-script "
+        "counts, 128 mostly; the others' all)."))
+    reasoning: str | None = Field(None, description=(
+        "Published benchmarks: the template's reasoning as the protocol sets it: on or off (enable_thinking), or "
+        "with dflash-0.1 a level the template reads (reasoning_effort: low, high, xhigh, ...); default: off, and "
+        "the template's own default with dflash-0.1."))
     target_name: Annotated[str | None, Cli(flag="--name")] = Field(None, description=(
         "How series titles and tags call the target (default: the Hub id in its config or cache path, else its "
         "folder's name); recorded with its references the first time they are made."))
     baseline: Annotated[str | None, Cli(path=True)] = Field(None, description=(
         "Another drafter (e.g. the published one for this target) scored alongside: its own row in history and the "
         "report."))
+
+    @property
+    def benchmarks(self) -> tuple[str, ...] | None:
+        """The published benchmarks --prompts names (dflash_core.published), or None."""
+        return benchmark_names(self.prompts) if self.prompts else None
+
+    @model_validator(mode="after")
+    def _benchmark_options(self) -> Self:
+        if self.prompts is not None:
+            try:
+                benchmark_names(self.prompts)
+            except BenchmarkError as e:
+                raise ValueError(str(e).replace("--prompts", "{prompts}")) from None
+        if self.benchmarks is None:
+            given = [name for name in ("protocol", "data", "max_samples", "reasoning") if getattr(self, name)]
+            if given:
+                raise ValueError(f"{{{given[0]}}} applies to published benchmarks as {{prompts}} (gsm8k, math500, "
+                                 "..., zlab-paper), not to a suite or a prompt file")
+        elif self.thinking:
+            raise ValueError("{thinking}: published benchmarks are templated as their protocol says; set "
+                             "{reasoning} on instead")
+        return self
 
     @property
     def prompt_set(self) -> str:
@@ -275,6 +315,23 @@ class Settings(BaseModel):
     compute: Compute = Compute()
     output: Output = Output()
     training: Training = Training()
+
+    @model_validator(mode="after")
+    def _protocol_defaults(self) -> Self:
+        """Published benchmarks: the protocol named (default zlab-2026-01), its max new tokens and, at a
+        temperature, its way of drawing drafts, unless given."""
+        inputs, serving = self.inputs, self.serving
+        if inputs.benchmarks is None:
+            return self
+        protocol = PROTOCOLS[inputs.protocol or DEFAULT_PROTOCOL]
+        updates: dict[str, Any] = {"protocol": protocol.name}
+        if "max_new_tokens" not in inputs.model_fields_set:
+            updates["max_new_tokens"] = protocol.max_new_tokens
+        object.__setattr__(self, "inputs", inputs.model_copy(update=updates))
+        if (protocol.sampled_drafts and serving.temperature > 0
+                and "draft_sample_method" not in serving.model_fields_set):
+            object.__setattr__(self, "serving", serving.model_copy(update={"draft_sample_method": "probabilistic"}))
+        return self
 
     @model_validator(mode="after")
     def _rules_between_groups(self) -> Self:

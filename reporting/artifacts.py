@@ -7,7 +7,8 @@ page keeps one versioned history per series across flow runs:
   <series>-history   table: every scored checkpoint of the series by step, with intervals, the best
                      one, baselines and regressions (reporting.history); with a training log, what the
                      trainer's numbers imply and the train/eval alarm's flags (reporting.training_side)
-  <series>-summary   markdown: this checkpoint against the previous step, the best one and the
+  <series>-summary   markdown: this checkpoint's tau (on published benchmarks, per benchmark in
+                     z-lab's layout, with its notes) against the previous step, the best one and the
                      baselines, with the regression flag, the training run beside it (its logged
                      numbers, the flags, the TensorBoard run), the tau-over-steps plot where the report
                      is served, and the commands that rerun a stage of this checkpoint
@@ -29,6 +30,7 @@ from dflash_eval.storage import Store
 from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import Stage
 
+from .benchmarks import benchmark_lines, benchmark_markdown
 from .history import Group, HistoryRow, find_group, history, paired_interval
 from .selector import count, selector_lines, selector_positions, share
 from .training_side import TrainingSide, side_of
@@ -181,7 +183,8 @@ def rerun_deployments_exist() -> bool:
 
 
 def score_table(results: dict) -> list[dict]:
-    """One row per metric of a results record."""
+    """One row per metric of a results record (on published benchmarks, each benchmark's tau and interval, and
+    each group's Average, in place of the taus by prompt category)."""
     low, high = results["tau_macro_ci95"]
     rows = [
         ("tau macro", f"{results['tau_macro']:.3f}"),
@@ -214,7 +217,12 @@ def score_table(results: dict) -> list[dict]:
                   "the K candidates",
                   f"{share(p.selector_accuracy)} / {share(p.argmax_accuracy)} / {share(p.candidate_recall)} "
                   f"({count(p.reached)} {reached})") for p in selector_positions(selector)]
-    rows += [(f"tau on {category}", f"{tau:.3f}") for category, tau in results["tau_by_category"].items()]
+    if "benchmarks" in results:  # published benchmarks: their taus and intervals in place of the categories'
+        rows += [(f"tau on {line.group} (average)" if line.average else f"tau on {line.benchmark}",
+                  f"{line.tau:.3f} (95% CI {line.ci95[0]:.2f}-{line.ci95[1]:.2f})")
+                 for line in benchmark_lines(results["benchmarks"])]
+    else:
+        rows += [(f"tau on {category}", f"{tau:.3f}") for category, tau in results["tau_by_category"].items()]
     rows += [(f"speedup upper bound, drafter costs {c} target forwards (verifying a block as cheap as a decode step)",
               f"{x:.2f}x") for c, x in results["projected_speedup"].items()]
     if "baseline" in results:
@@ -240,6 +248,8 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
              "", f"**tau {results['tau_macro']:.3f}** (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
              f"block {results['block_size']}, {results['n_scored_prompts']} prompts"
              + ("" if results["served"]["label"] == "greedy" else f", {results['served']['label']}"), ""]
+    if "benchmarks" in results:  # published benchmarks: z-lab's layout (reporting.benchmarks)
+        lines += ["tau by benchmark (* a gap beyond our 95% CI):", "", *benchmark_markdown(results["benchmarks"]), ""]
     if "selector" in results:
         lines += selector_markdown(results["selector"], results["served"]["draft_sample_method"] != "greedy")
     if found is None:

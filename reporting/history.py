@@ -267,6 +267,8 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
                            features_key[:12]))
     target = references.target_name or model_name(references.target or "target")  # older entries: from the path
     prompts = Path(references.prompts).name or "prompts"
+    if references.benchmarks:  # published benchmarks: by which protocol (two protocols are two series)
+        prompts += f" ({references.benchmarks['protocol']})"
     given = references.backend.get("kind") == "given"
     drafts = None if draft_sampling is None else json.loads(draft_sampling)
     served = Served.from_record(references.sampling, given, chosen_block_size, drafts)

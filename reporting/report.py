@@ -15,6 +15,9 @@ reporting.history) the report shows:
   over training steps (dashed), and for the shown checkpoints, per draft position, how often the candidate
   selector's draft was accepted, the head's argmax would have been, and the reference's token was among the K
   candidates (reporting.selector);
+- for a series on published benchmarks (its references record's `benchmarks`): the protocol in its heading and,
+  for its newest checkpoint, tau per benchmark in z-lab's layout with the published tau beside it and the notes
+  (reporting.benchmarks, the same table the command line and the Prefect summary show);
 - for each checkpoint with a `diagnostics` store entry: tau with each target layer's features zeroed
   (which layers the drafter relies on), tau with the target layers shifted by an offset (whether the
   drafter reads the layers it was trained on), tau with the other sliding-layer semantics, and the first
@@ -29,6 +32,7 @@ loads nothing, so it can be mailed or attached as it is. `report.md` shows the p
 
 import base64
 import functools
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -37,6 +41,17 @@ from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
+from dflash_core.checkpoint_files import model_name
+from dflash_core.published.numbers import Setting, beside_published
+from dflash_core.sampling import Served
+from dflash_eval.reporting.benchmarks import (
+    COLUMNS,
+    BenchmarkLine,
+    benchmark_lines,
+    benchmark_notes,
+    markdown_strong,
+    reasoning_of,
+)
 from dflash_eval.reporting.history import Group, HistoryRow, history
 from dflash_eval.reporting.plots import (
     ablation_plot,
@@ -52,7 +67,14 @@ from dflash_eval.reporting.selector import ShownSelector, count, share
 from dflash_eval.reporting.training_side import TrainingSide, training_sides
 from dflash_eval.storage import EntryMissing, Store, read_json
 from dflash_eval.storage.records import write_bytes_atomic
-from dflash_eval.storage.schema import DIAGNOSTICS_FILE, DiagnosticsRecord, DraftsRecord, Stage
+from dflash_eval.storage.schema import (
+    DIAGNOSTICS_FILE,
+    DiagnosticsRecord,
+    DraftsRecord,
+    FeaturesRecord,
+    ReferencesRecord,
+    Stage,
+)
 
 TEMPLATES = Path(__file__).parent / "templates"  # installed with the package (pyproject.toml package-data)
 # Baselines keep one colour across all plots; red is left for regressions.
@@ -111,6 +133,16 @@ class DiagnosticsSection:
 
 
 @dataclass(frozen=True)
+class BenchmarkTable:
+    """tau per published benchmark of one checkpoint in z-lab's layout (reporting.benchmarks), with its notes."""
+
+    row: HistoryRow  # the checkpoint
+    lines: list[BenchmarkLine]
+    notes: list[str]
+    columns: tuple[str, ...] = COLUMNS
+
+
+@dataclass(frozen=True)
 class GroupSection:
     """One group of comparable scores (reporting.history.Group), with what its section shows."""
 
@@ -131,6 +163,8 @@ class GroupSection:
     selector_plot: Plot | None  # their shares by draft position; None: no shown row has a selector
     diagnostics: list[DiagnosticsSection]
     training: list[TrainingSide]  # each training run of the group's checkpoints with a log, beside it
+    protocol: str | None = None  # published benchmarks: their protocol; None: other prompts
+    benchmarks: BenchmarkTable | None = None  # published benchmarks: the newest checkpoint's tau on each
 
     @property
     def title(self) -> str:
@@ -209,7 +243,7 @@ def write_report(store: Store, out_dir: Path, last: int = 3, groups: list[Group]
         raise NothingToReport(f"no scored checkpoint in {store.location}: nothing to report")
     diagnostics = _diagnostics_by_checkpoint(store)
     report = Report(store=store.location, written=datetime.now(UTC),
-                    groups=[_group_section(group, f"group{index}", max(1, last), diagnostics,
+                    groups=[_group_section(store, group, f"group{index}", max(1, last), diagnostics,
                                            training[index - 1] if training is not None
                                            else training_sides(group, training_logs))
                             for index, group in enumerate(groups, start=1)],
@@ -274,7 +308,8 @@ def _environment(autoescape: bool) -> Environment:
     environment = Environment(loader=FileSystemLoader(TEMPLATES), autoescape=autoescape, undefined=StrictUndefined,
                               trim_blocks=True, lstrip_blocks=True)
     environment.filters.update(counted=_count, decimals=_decimals, percent=_percent, fence=_fence,
-                               md_cell=_markdown_cell, name=name_of, squash=_squash, share=share, count=count)
+                               md_cell=_markdown_cell, md_strong=markdown_strong, name=name_of, squash=_squash,
+                               share=share, count=count)
     return environment
 
 
@@ -304,11 +339,13 @@ def tau_plot_path(group_number: int) -> str:
     return f"img/group{group_number}{TAU_PLOT}.png"
 
 
-def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple[str, str, str], dict],
+def _group_section(store: Store, group: Group, anchor: str, last: int, diagnostics: dict[tuple[str, str, str], dict],
                    training: list[TrainingSide]) -> GroupSection:
     scores = {row.scores: read_json(row.scores_path) for row in group.rows}
     # newest = last in history order, the order the table, the curves and the artifacts use
     newest = group.candidates[-1] if group.candidates else None
+    references = _published_references(store, group)
+    latest = newest or group.rows[-1]
     shown = group.candidates[-last:] + group.baselines
     colors = row_colors(shown)
     stepped = any(r.step is not None for r in group.candidates)
@@ -338,7 +375,41 @@ def _group_section(group: Group, anchor: str, last: int, diagnostics: dict[tuple
                            selector_plot(selectors, colors)) if selectors else None,
         diagnostics=sections,
         training=training,
+        protocol=references.benchmarks["protocol"] if references and references.benchmarks else None,
+        benchmarks=_benchmark_table(references, group, latest, scores[latest.scores]) if references else None,
     )
+
+
+def _published_references(store: Store, group: Group) -> ReferencesRecord | None:
+    """The references record of a group on published benchmarks (its `benchmarks`: the protocol, template arguments
+    and each benchmark's use); None for other prompts, or when the records are gone."""
+    try:  # records only, as reporting.history reads them for the titles
+        features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, group.features, verify=False,
+                                                                discard_damaged=False))
+        references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
+                                                                    verify=False, discard_damaged=False))
+    except (EntryMissing, KeyError):
+        return None
+    return references if references.benchmarks else None
+
+
+def _benchmark_table(references: ReferencesRecord, group: Group, row: HistoryRow, scores: dict) -> BenchmarkTable | None:
+    """The row's tau per benchmark beside the published taus (numbers.beside_published, as the run's results build
+    it), in the setting the store knows: the group's target name, served setting and block size, the row's drafter,
+    the references' protocol, new tokens and template arguments; None when its scores have no `by_benchmark`."""
+    if "by_benchmark" not in scores or references.benchmarks is None:
+        return None
+    prompt_set = references.benchmarks
+    served = Served.from_record(references.sampling, references.backend.get("kind") == "given",
+                                group.chosen_block_size,
+                                None if group.draft_sampling is None else json.loads(group.draft_sampling))
+    sampling = served.sampling
+    setting = Setting(references.target_name or model_name(references.target or "target"), model_name(row.source),
+                      sampling.temperature, sampling.top_p, sampling.top_k, scores["block_size"],
+                      prompt_set["protocol"], references.max_new_tokens,
+                      reasoning_of(prompt_set.get("template_kwargs") or {}), served.draft_sample_method)
+    block = beside_published(scores["by_benchmark"], prompt_set, setting)
+    return BenchmarkTable(row, benchmark_lines(block), benchmark_notes(block))
 
 
 def _categories(shown: list[HistoryRow], scores: dict[str, dict]) -> list[CategoryTau]:

@@ -100,6 +100,8 @@ class ReferencesRecord(_Record):
     sampling: dict[str, Any] | None = _written_when_set()
     # how series titles call the target (--name, else tasks.target.model_name); None in older entries
     target_name: str | None = _written_when_set()
+    # published benchmarks (dflash_core.published.prompt_set): the protocol and each benchmark's rows; None otherwise
+    benchmarks: dict[str, Any] | None = _written_when_set()
 
 
 @dataclass(frozen=True)

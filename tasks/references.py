@@ -37,6 +37,8 @@ from dflash_core.prompts import (
     resolve_prompts,
     turn_prompt_ids,
 )
+from dflash_core.published.benchmarks import benchmark_names, read_data_option
+from dflash_core.published.prompt_set import BenchmarkPromptSet, benchmark_prompts
 from dflash_core.replay import Reference
 from dflash_core.sampling import GREEDY, Sampling, sample_seed
 from dflash_core.target import read_target_config
@@ -72,6 +74,7 @@ class ReferenceSet:
     lookahead: int  # greedy tokens kept past each completion's end
     samples: int = 1  # completions per prompt (1 when greedy)
     sampling: Sampling = GREEDY  # how they were sampled (the target's probabilities of their tokens follow it)
+    benchmarks: dict | None = None  # published benchmarks: the protocol and each benchmark's rows (prompt_set.to_json)
 
 
 @dataclass(frozen=True)
@@ -86,11 +89,43 @@ class ReferenceItem:
     prompt: str | None = None  # sampled: the prompt (and turn) this is a sample of; None when greedy
 
 
-def load_prompts(prompts: str, target_dir: str, thinking: bool = False) -> list[Prompt]:
-    """Parse a prompt suite name or JSONL file with the target's tokenizer (errors name the file and line)."""
+@dataclass(frozen=True)
+class PromptChoice:
+    """What names the prompt set: `--prompts` (a suite, a JSONL file, or published benchmarks) and what applies
+    to it: `thinking` to a suite or file; the protocol, local copies (`data`: "[NAME=]PATH,..."), rows per
+    benchmark and reasoning setting to published benchmarks (dflash_core.published)."""
+
+    prompts: str
+    thinking: bool = False
+    protocol: str | None = None
+    data: str | None = None
+    max_samples: int | None = None
+    reasoning: str | None = None
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """The prompts, where their decoding stops, and, for published benchmarks, what each contributed."""
+
+    prompts: list[Prompt]
+    stop_token_ids: list[int]
+    benchmarks: BenchmarkPromptSet | None = None
+
+
+def load_prompts(choice: PromptChoice, target_dir: str) -> PromptSet:
+    """Read the prompt set with the target's tokenizer: a suite or file (PromptError naming the file and line)
+    or published benchmarks (BenchmarkError naming the dataset)."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    return read_prompts(resolve_prompts(prompts), tokenizer, thinking=thinking,
-                        vocab_size=read_target_config(target_dir).vocab_size)
+    config = read_target_config(target_dir)
+    names = benchmark_names(choice.prompts)
+    if names is None:
+        prompts = read_prompts(resolve_prompts(choice.prompts), tokenizer, thinking=choice.thinking,
+                               vocab_size=config.vocab_size)
+        return PromptSet(prompts, list(config.eos_token_ids))
+    benchmarks = benchmark_prompts(names, tokenizer, protocol=choice.protocol, data=read_data_option(choice.data, names),
+                                   max_samples=choice.max_samples, reasoning=choice.reasoning,
+                                   generation_eos=config.eos_token_ids, vocab_size=config.vocab_size)
+    return PromptSet(benchmarks.prompts, benchmarks.stop_token_ids, benchmarks)
 
 
 def references_here(store: Store, refs: ReferenceSet) -> ReferenceSet:
@@ -196,14 +231,13 @@ def check_fingerprint_unchanged(entry: Path, backend, reference: str, begun: dic
 @task(name="references", cache_policy=NONE, persist_result=False)
 def generate_references(
     target_dir: str,
-    prompts_source: str,
+    choice: PromptChoice,
     max_new_tokens: int,
     store_location: str,
     reference: str = "local",
     lookahead: int = 0,
     dtype: str = "float32",
     device: str = "cpu",
-    thinking: bool = False,
     concurrency: int = 8,
     refresh: bool = False,
     reference_api_key_file: str | None = None,
@@ -217,18 +251,20 @@ def generate_references(
     dflash_eval.services.reference.backends): greedy, or `samples` per prompt sampled with `sampling`, seeded from
     `seed`. lookahead > 0 (greedy only) also keeps that many greedy tokens past each completion's end,
     so its last decode step is scored against a whole block. `given`: a completions file
-    (dflash_core.prompts.read_completions) whose completions are stored instead (prompts_source is not read).
+    (dflash_core.prompts.read_completions) whose completions are stored instead (`choice` names no prompts then; its
+    `thinking` templates the file's messages). Published benchmarks' prompts stop where their protocol stops.
     reference_api_key_file: a file holding the server's API key (else $DFLASH_REFERENCE_API_KEY);
     the key is sent, never part of the references' key. target_name: how series titles call the target
     (default: tasks.target.model_name), recorded when the entry is made, never part of its key."""
     store = Store(store_location)
     target_name = target_name or model_name(target_dir)
     if given is not None:
-        return store_given_references(given, target_dir, store, thinking, refresh, target_name)
+        return store_given_references(given, target_dir, store, choice.thinking, refresh, target_name)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompts = read_prompts(resolve_prompts(prompts_source), tokenizer, thinking=thinking,
-                           vocab_size=read_target_config(target_dir).vocab_size)
-    stop_ids = list(read_target_config(target_dir).eos_token_ids)
+    prompt_set = load_prompts(choice, target_dir)
+    prompts, stop_ids, thinking = prompt_set.prompts, prompt_set.stop_token_ids, choice.thinking
+    # the prompts' ids, chat format and stop ids are keyed already; the protocol keeps its series apart
+    benchmarks = prompt_set.benchmarks.to_json() if prompt_set.benchmarks else None
     backend: LocalBackend | HTTPBackend
     if reference == "local":
         local = backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
@@ -250,7 +286,7 @@ def generate_references(
         "prompts": prompt_set_identity(prompts), "thinking": thinking,
         "target": target_key(target_dir, store), "backend": backend.identity,
         "sampling": sampled or sampling.identity(), "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids,
-        "lookahead": lookahead,
+        "lookahead": lookahead, **({"protocol": benchmarks["protocol"]} if benchmarks else {}),
     })
     units = [(n, k) for n in range(len(prompts)) for k in range(samples)]  # file i = n * samples + k
     if sampled and reference != "local":
@@ -302,18 +338,18 @@ def generate_references(
         unverified = sum(not t["verified"] for i in range(len(units))
                          for t in read_json(entry / f"seq_{i}.json")["turns"])
         return ReferencesRecord(
-            n_prompts=len(prompts), n=n_items, prompts=str(prompts_source), target=str(target_dir),
+            n_prompts=len(prompts), n=n_items, prompts=choice.prompts, target=str(target_dir),
             backend=backend.identity, max_new_tokens=max_new_tokens, stop_token_ids=tuple(stop_ids),
             lookahead=lookahead, unverified=unverified,
             backend_fingerprint=None if fingerprint is None else key_of(fingerprint), sampling=sampled,
-            target_name=target_name,
+            target_name=target_name, benchmarks=benchmarks,
         ).to_record()
 
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
     record = ReferencesRecord.from_record(outcome.record)
     refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=record.n_prompts, n=record.n,
                         lookahead=record.lookahead, samples=(record.sampling or {}).get("samples", 1),
-                        sampling=sampling)
+                        sampling=sampling, benchmarks=record.benchmarks)
     return refs if outcome.computed else cached(refs)
 
 

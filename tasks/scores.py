@@ -6,7 +6,14 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
-from dflash_core.metrics import PromptScore, all_positions_tau, selector_summary, summarize, teacher_forced_accuracy
+from dflash_core.metrics import (
+    PromptScore,
+    all_positions_tau,
+    benchmark_summary,
+    selector_summary,
+    summarize,
+    teacher_forced_accuracy,
+)
 from dflash_core.sampled_drafts import ExpectedSteps
 from dflash_eval.storage import Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.integrity import entry_label, upstream_digests
@@ -49,6 +56,9 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         items = load_references(refs)
         prompts = [prompt_score(item, d) for item, d in zip(items, per_prompt)]
         summary = summarize(prompts, drafts.verified_tokens, lookahead=refs.lookahead > 0)
+        if refs.benchmarks:  # published benchmarks: tau per benchmark and per group, as z-lab's tables give them
+            summary["by_benchmark"] = benchmark_summary(
+                prompts, {use["name"]: use["group"] for use in refs.benchmarks["benchmarks"]})
         if all("unary" in d for d in per_prompt):  # a DFlash2 drafter: its selector against its unary head alone
             scored = [(p, prompt_score(item, d["unary"]), d["selector_positions"])
                       for p, item, d in zip(prompts, items, per_prompt) if p.acceptance_lengths]

@@ -92,6 +92,9 @@ def test_step_from_name():
     assert step_from_name("run7/final") is None
     assert step_from_name("out/run1-step1500") == 1500  # SpecForge's CheckpointManager
     assert step_from_name("out/epoch_2_step_3000") == 3000  # SpecForge's older script
+    assert step_from_name("run/3") == 3  # speculators' numbered saves
+    assert step_from_name("z-lab/Qwen3-8B-DFlash-b16") is None  # a model's name, not a save's step
+    assert step_from_name("snapshots/0a1b2c3d4e5f67") is None
 
 
 # ---------------------------------------------------------------- which files evaluation takes

@@ -73,10 +73,11 @@ def port_of(server: ReferenceServer) -> int:
 
 def references(models, store, server_or_url, refresh=False):
     """The references stage (the task's function) against a server or "local": [(id, token ids)]."""
-    from dflash_eval.tasks.references import ReferenceSet, generate_references, load_references
+    from dflash_eval.tasks.references import PromptChoice, ReferenceSet, generate_references, load_references
 
     spec = server_or_url if server_or_url == "local" else f"sglang+{server_or_url.url}"
-    out = generate_references.fn(str(models["target"]), str(models["prompts"]), MAX_NEW, str(store), reference=spec,
+    out = generate_references.fn(str(models["target"]), PromptChoice(str(models["prompts"])), MAX_NEW, str(store),
+                                 reference=spec,
                                  concurrency=2, refresh=refresh)
     refs = out if isinstance(out, ReferenceSet) else out.result()
     return [(item.id, list(item.reference.token_ids)) for item in load_references(refs)]

@@ -1,6 +1,7 @@
 """The `dflash-eval` command line, one module per group of commands:
 
   evaluation   run, stage, demo             evaluations by hand
+  prompts      prompts                      what a run feeds the target
   serving      serve, watch, notify         unattended: deployments, a relay watcher, trainers' events
   reference    serve-reference              a reference server of our own
   store        history, report, verify      what the store holds
@@ -16,7 +17,7 @@ from typing import Annotated
 
 import typer
 
-from . import evaluation, reference, relay, serving, store, tiny
+from . import evaluation, prompts, reference, relay, serving, store, tiny
 from .options import OneLineChoiceErrors
 
 # This tool runs offline: Prefect's temporary server must not try to send telemetry.
@@ -24,7 +25,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 app = typer.Typer(cls=OneLineChoiceErrors, help="Evaluate DFlash speculative-decoding drafters offline.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
-for commands in (evaluation.app, serving.app, reference.app, store.app):
+for commands in (evaluation.app, prompts.app, serving.app, reference.app, store.app):
     app.add_typer(commands)  # no name: their commands are top-level ones
 app.add_typer(tiny.app, name="tiny")
 app.add_typer(relay.app, name="relay")

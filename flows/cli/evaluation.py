@@ -149,6 +149,8 @@ def _print_results(results: dict) -> None:
                f", {results['n_steps']:.1f} steps and {results['clipped_last_steps']:.1f} clipped last steps expected")
             + f"; {results['sliding_semantics']} sliding layers)"
         )
+    if "benchmarks" in results:
+        _print_benchmarks(console, results["benchmarks"])
     if "tau_drawn" in results:
         drawn = results["tau_drawn"]
         console.print(f"sampled drafts: tau is the expectation over the acceptance coins; one draw of them: tau macro "
@@ -173,6 +175,22 @@ def _print_results(results: dict) -> None:
                       f"(95% CI {b['tau_macro_ci95'][0]:.2f}-{b['tau_macro_ci95'][1]:.2f})")
     if "diagnostics" in results:
         _print_diagnostics(console, results["diagnostics"])
+
+
+def _print_benchmarks(console, block: dict) -> None:
+    """tau per published benchmark in z-lab's layout, the published tau beside it (reporting.benchmarks)."""
+    from rich.table import Table
+
+    from dflash_eval.reporting.benchmarks import COLUMNS, benchmark_lines, benchmark_notes
+
+    table = Table(title="tau by benchmark (* a gap beyond our 95% CI)", box=None)
+    for column in COLUMNS:
+        table.add_column(column, justify="left" if column in ("group", "benchmark") else "right")
+    for line in benchmark_lines(block):
+        table.add_row(*line.cells(), style="bold" if line.average else None)
+    console.print(table)
+    for note in benchmark_notes(block):
+        console.print(note, markup=False)
 
 
 def _print_selector(console, selector: dict, sampled: bool) -> None:
