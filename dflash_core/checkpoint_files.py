@@ -343,6 +343,44 @@ def not_ready(directory: str | os.PathLike, settle_seconds: float, found: Checkp
     return None
 
 
+def saves_beneath(directory: str | os.PathLike, settle_seconds: float, settle_option: str = "--settle-seconds") -> str | None:
+    """For a settled folder without drafter weights of its own (not_ready raised NotACheckpoint), what its
+    sub-folders hold, said as the end of the refusal ("...holds no drafter weights; <this>"); None when none of
+    them is a checkpoint either. A training run's folder whose saves are younger than `settle_seconds` is told
+    apart from one whose saves are finished: its saves are named, with when they count (settled), not sent to
+    be passed one by one."""
+    directory = Path(directory)
+    try:
+        folders = [p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    except OSError:
+        return None
+    finished, settling, newest = [], [], 0.0
+    for folder in sorted(folders, key=lambda p: (step_from_name(p.name) is None, step_from_name(p.name) or 0, p.name)):
+        found = checkpoint_files(folder)
+        if found is None:
+            continue
+        try:
+            pending = not_ready(folder, settle_seconds, found)
+        except (CheckpointBroken, FileNotFoundError):  # broken (fetching it says why), or gone meanwhile
+            pending = None
+        if pending is None:
+            finished.append(folder.name)
+        else:
+            settling.append(folder.name)
+            newest = max(newest, max(_regular_files(folder).values(), default=0.0))
+    if not settling:
+        return f"its sub-folders {finished[:4]} do: pass one of them" if finished else None
+    age = max(0.0, time.time() - newest)
+    saves = (f"its saves {', '.join(settling[:4])}{' ...' if len(settling) > 4 else ''} are" if len(settling) > 1
+             else f"its save {settling[0]} is")
+    said = (f"it is a training run's folder: {saves} still being written (last change {age:.0f} s ago; "
+            f"{'they count' if len(settling) > 1 else 'it counts'} once unchanged for {settle_seconds:g} s: wait and "
+            f"run again, or lower {settle_option})")
+    if finished:
+        said += f"; {', '.join(finished[:4])} {'are' if len(finished) > 1 else 'is'} finished and can be passed now"
+    return said
+
+
 def training_step(directory: str | Path, name: str | None = None) -> int | None:
     """The training step of the checkpoint in `directory` (None when nothing says).
 

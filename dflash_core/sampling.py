@@ -36,6 +36,16 @@ import torch
 Verification = Literal["match", "rejection"]
 VERIFICATIONS: tuple[Verification, ...] = ("match", "rejection")
 
+# The temperatures a target is sampled at: 0 (greedy), or one in [MIN_TEMPERATURE, MAX_TEMPERATURE], the range the
+# serving stacks both serve as given. Below it they differ: vLLM (vllm/sampling_params.py) is greedy below
+# _SAMPLING_EPS = 1e-5 and raises any other temperature below _MAX_TEMP = 1e-2 to 1e-2 ("may cause numerical errors
+# nan or inf"), SGLang (python/sglang/srt/sampling/sampling_params.py) is greedy below _SAMPLING_EPS = 1e-6 and
+# samples at any other; so a temperature there is refused (give 0 for greedy), not mapped to either. Above it vLLM
+# refuses ("temperature must be in [0, 2]", as OpenAI's API bounds it) and the distribution is close to uniform.
+# flows/settings.py states the same bounds (it imports no torch); tests/test_bad_input.py checks they agree.
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -48,8 +58,9 @@ class Sampling:
 
     def __post_init__(self):
         # (an evaluation's settings are checked with the user's names first: flows/settings.py)
-        if not self.temperature >= 0:  # also NaN
-            raise ValueError(f"temperature must be 0 (greedy) or more, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):  # also NaN
+            raise ValueError(f"temperature must be 0 (greedy) or lie in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}], "
+                             f"got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be a whole number, 0 (off) or more, got {self.top_k}")
         if not 0 < self.top_p <= 1:

@@ -33,9 +33,10 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 
 from dflash_core.checkpoint_files import step_from_name
-from dflash_eval.reporting.artifacts import publish
+from dflash_eval.reporting.artifacts import add_history, publish
 from dflash_eval.reporting.history import find_group, history, series_key, source_name
 from dflash_eval.reporting.tracker import track
+from dflash_eval.reporting.training_side import side_of
 from dflash_eval.storage import Store
 from dflash_eval.storage.feature_store import TARGET_PROBS
 from dflash_eval.tasks.baselines import mark_baseline
@@ -129,6 +130,9 @@ def evaluate(checked: CheckedEvaluation):
                                            training.divergence_window, training.mlflow)
         for problem in results["training"]["problems"]:
             get_run_logger().warning(problem)
+    # what the series' history says of this checkpoint: the paired comparisons, what the alarm checked
+    side = side_of(sides.get(groups.index(found_row[0]), ()), found_row[1]) if found_row is not None else None
+    add_history(results, found_row, side)
     report_dir = e.output.report_dir
     publish(results, opened, Path(report_dir) if report_dir else opened.root / "report", groups=groups,
             training=sides, step_costs=checked.step_costs)

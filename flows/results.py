@@ -37,7 +37,9 @@ class StageRuns:
 def evaluation_results(checked: CheckedEvaluation, runs: StageRuns) -> dict:
     """The results record: the scores (when scored), what was evaluated and how (`served`: how the target is served,
     one value with its label), and each stage's status and key; the baseline's tau, the diagnostics and the
-    cluster's shards when there are any."""
+    cluster's shards when there are any. Once the store's history is read, what it says of this checkpoint is added
+    (reporting.artifacts.add_history: `comparisons`, the paired differences against the baseline, the previous step
+    and the best other checkpoint; in `training`, the trainer's own number and what the alarm checked)."""
     e, out = checked.evaluation, runs.outputs
     checkpoint = out.get("fetch")
     results = read_json(out["scores"].path) if "scores" in out else {}

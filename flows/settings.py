@@ -37,6 +37,11 @@ DeviceName = Literal["cpu", "cuda"]
 # drafter layers treat the block.
 DtypeName = Literal["auto", "float32", "bfloat16"]
 SlidingSemanticsName = Literal["causal", "non_causal"]
+# The temperatures served: 0 (greedy), or one in [MIN_TEMPERATURE, MAX_TEMPERATURE], where vLLM and SGLang both sample
+# at the temperature given (why, with the sources: dflash_core.sampling, which states the same bounds for library
+# users; it imports torch, so they are written out here, and tests/test_bad_input.py checks they agree).
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 2.0
 
 
 class SettingsError(ValueError):
@@ -156,9 +161,9 @@ class Serving(Group):
     verifies per step."""
 
     panel = "Serving"
-    temperature: float = Field(0.0, ge=0, allow_inf_nan=False, description=(
-        "Sampling temperature the target is served at: 0 (greedy), or above 0 (sampled references, --samples per "
-        "prompt)."))
+    temperature: float = Field(0.0, ge=0, le=MAX_TEMPERATURE, allow_inf_nan=False, description=(
+        f"Sampling temperature the target is served at: 0 (greedy), or {MIN_TEMPERATURE:g} to {MAX_TEMPERATURE:g} "
+        "(sampled references, --samples per prompt)."))
     top_k: int = Field(0, ge=0, description=(
         "Keep the K most likely tokens (0: off); applied after the temperature, before top-p and min-p, as SGLang "
         "does."))
@@ -180,6 +185,14 @@ class Serving(Group):
     draft_truncation: bool = Field(True, description=(
         "Probabilistic drafts: q gets the served top-k, top-p and min-p after the temperature, as the target's p "
         "does (dflash 0.1.0); off, the temperature only (vLLM's probabilistic drafts)."))
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy_or_sampled(cls, value: float) -> float:
+        if 0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"give 0 for greedy, or at least {MIN_TEMPERATURE:g} to sample (below it vLLM samples at "
+                             f"{MIN_TEMPERATURE:g} or is greedy, SGLang samples at the temperature given)")
+        return value
 
     @model_validator(mode="after")
     def _greedy_is_greedy(self) -> Self:

@@ -5,12 +5,14 @@ page keeps one versioned history per series across flow runs:
 
   <series>-scores    table: this checkpoint's metrics
   <series>-history   table: every scored checkpoint of the series by step, with intervals, the best
-                     one, baselines and regressions (reporting.history); with a training log, what the
-                     trainer's numbers imply and the train/eval alarm's flags (reporting.training_side)
+                     one, baselines and regressions (reporting.history); with a training log, the
+                     trainer's own number as logged (a column named by its tag), what the trainer's
+                     numbers imply and the train/eval alarm's flags (reporting.training_side)
   <series>-summary   markdown: this checkpoint's tau (on published benchmarks, per benchmark in
                      z-lab's layout, with its notes) against the previous step, the best one and the
-                     baselines, with the regression flag, the training run beside it (its logged
-                     numbers, the flags, the TensorBoard run), the tau-over-steps plot where the report
+                     baselines (the paired differences: reporting.history.comparisons), with the
+                     regression flag, the training run beside it (its logged numbers, the flags or
+                     what the checks found, the TensorBoard run), the tau-over-steps plot where the report
                      is served, and the commands that rerun a stage of this checkpoint
   <series>-report    link: the store's report (reporting.report), rewritten by this run: its HTTP address
                      when one serves it ($DFLASH_REPORT_URL, set by `dflash-eval serve`), else the file
@@ -31,9 +33,19 @@ from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import Stage
 
 from .benchmarks import benchmark_lines, benchmark_markdown
-from .history import Group, HistoryRow, find_group, history, paired_interval
+from .history import (
+    BASELINE,
+    BEST,
+    PREVIOUS_STEP,
+    Comparison,
+    Group,
+    HistoryRow,
+    comparisons,
+    find_group,
+    history,
+)
 from .selector import count, selector_lines, selector_positions, share
-from .training_side import TrainingSide, side_of
+from .training_side import TrainingSide, logged_column, side_of
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
 RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
@@ -42,22 +54,22 @@ RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
 def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] | None = None,
             training: dict[int, list[TrainingSide]] | None = None,
             step_costs: dict[int, float] | None = None) -> dict[str, str]:
-    """Rewrite the report (step_costs: --step-cost, for its projected speedups) and publish the scores, summary
-    and report-link artifacts; returns their keys. groups: history(store), when the caller has it; training:
-    {group index: each training run with a log beside it} (reporting.tracker.track), when the caller read them."""
+    """Rewrite the report (step_costs: --step-cost, for its projected speedups) and publish the scores, history,
+    summary and report-link artifacts of `results` (with what add_history added); returns their keys. groups: history(store), when the caller has it;
+    training: {group index: each training run with a log beside it} (reporting.tracker.track), when the caller read
+    them."""
     logger = get_run_logger()
     keys = {name: f"{results['series']['key']}-{name}" for name in ("scores", "history", "summary", "report")}
-    create_table_artifact(key=keys["scores"], table=score_table(results),
-                          description=f"Scores of {results['drafter']['source']}")
     groups = history(store) if groups is None else groups
     found = find_group(groups, results["keys"]["scores"])
+    side = side_of((training or {}).get(groups.index(found[0]), ()), found[1]) if found is not None else None
+    create_table_artifact(key=keys["scores"], table=score_table(results),
+                          description=f"Scores of {results['drafter']['source']}")
     if found is not None:
         group = found[0]
         described = f"{group.title}: tau by step {sparkline(group)}; this run {results['tau_macro']:.3f}"
         if group.best:
             described += f", best {group.best.label} {group.best.tau_macro:.3f}"
-        row = found[1]
-        side = side_of((training or {}).get(groups.index(group), ()), row)
         create_table_artifact(key=keys["history"], table=history_table(group, side), description=described)
     report = plot = None
     try:
@@ -82,6 +94,22 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
                              description="Report of every checkpoint scored in this store")
         logger.info(f"report: {link}")
     return keys
+
+
+def add_history(results: dict, found: tuple[Group, HistoryRow] | None, side: TrainingSide | None) -> None:
+    """Add to a run's results (what the flow returns and `run --out` writes) what the series' history says of
+    its checkpoint: `comparisons` (reporting.history.comparisons: against the previous step, the best other
+    checkpoint and the baselines, --baseline's first; [] when its row is gone) and, beside a training log, in
+    `training`: the trainer's own number at this step (`trainer_logged`: {"tag", "value"}), what each check of
+    the alarm found (`checks`) and, where no flag was raised, the line that says what was checked (`no_flag`)."""
+    baseline = (results.get("baseline") or {}).get("key")
+    results["comparisons"] = [c.as_dict() for c in comparisons(*found, baseline)] if found is not None else []
+    training = results.get("training")
+    if training is not None and side is not None and found is not None:
+        logged = side.logged(found[1])
+        training["trainer_logged"] = {"tag": logged[0], "value": logged[1]} if logged else None
+        training["checks"] = [c.as_dict() for c in side.checks]
+        training["no_flag"] = None if training["flags"] else side.no_flag_line()
 
 
 def kept_copy(folder: Path, name: str) -> str:
@@ -133,13 +161,15 @@ def tau_chart(group: Group, this: HistoryRow | None) -> list[str]:
 
 def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
     """One row per scored checkpoint of a series, in history order (by step), then its baselines; where some row is
-    a DFlash2 drafter's, its unary head's tau and the selector's lift; with its training run's side, what the
-    trainer logged at each step and the alarm's flags."""
+    a DFlash2 drafter's, its unary head's tau and the selector's lift; with its training run's side, the trainer's
+    own number at each step as logged (a column named by its tag), what the trainer's numbers imply and the
+    alarm's flags."""
     rows = []
     mine = {id(r) for r in side.rows} if side else set()
     top = max(r.tau_macro for r in group.rows)
     selector = any(r.unary_tau_macro is not None for r in group.rows)  # DFlash2 checkpoints among them
-    for row in group.rows:
+    logged_header, logged_cells = logged_column([side] if side else [], group.rows)  # the trainer's own number
+    for index, row in enumerate(group.rows):
         ci = row.tau_macro_ci95
         table = {"checkpoint": row.label, "step": "-" if row.step is None else str(row.step),
                  "tau macro": f"{row.tau_macro:.3f}", "tau (bar from 1)": bar(row.tau_macro, top),
@@ -151,6 +181,7 @@ def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
         table["verdict"] = row.mark
         if side is not None:
             implied = side.implied(row) if id(row) in mine else None
+            table[logged_header] = logged_cells[index]
             table["trainer implies"] = f"{implied[0]:.2f}" if implied else "-"
             table["flags"] = ", ".join(f.kind for f in side.flags_at(row.step)) if id(row) in mine else ""
         rows.append(table)
@@ -256,29 +287,18 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
         lines.append("No history for this checkpoint (its store entries were removed).")
     else:
         group, row = found
-        candidates = [r for r in group.candidates if r is not row]
-        earlier = [r for r in candidates if r.step is not None and row.step is not None and r.step < row.step]
-        compared = []
-        if earlier:
-            compared.append(("previous step", earlier[-1]))
-        if candidates:
-            best_other = max(candidates, key=lambda r: r.tau_macro)
-            if compared and compared[0][1] is best_other:  # one row for both
-                compared[0] = ("previous step, best other", best_other)
-            else:
-                compared.append(("best other checkpoint", best_other))
-        compared += [("baseline", r) for r in group.baselines if r is not row]
+        compared = comparisons(group, row, (results.get("baseline") or {}).get("key"))
         if compared:
             lines += ["| | checkpoint | step | tau macro | 95% CI | this run's tau minus it (paired 95% CI) |",
                       "|---|---|---|---|---|---|"]
-            for name, other in [("this", row), *compared]:
-                ci = other.tau_macro_ci95
-                paired = None if other is row else paired_interval(row, other)
-                difference = "-" if other is row else f"{row.tau_macro - other.tau_macro:+.3f}" + (
-                    f" ({paired[0]:+.2f} to {paired[1]:+.2f})" if paired else "")
-                lines.append(f"| {name} | {other.label} | {other.step if other.step is not None else '-'} | "
-                             f"{other.tau_macro:.3f} | {f'{ci[0]:.2f}-{ci[1]:.2f}' if ci else '-'} | "
-                             f"{difference} |")
+            lines.append(f"| this | {row.label} | {row.step if row.step is not None else '-'} | {row.tau_macro:.3f} | "
+                         f"{_interval(row.tau_macro_ci95)} | - |")
+            for names, c in merged(compared):
+                other = c.other
+                difference = f"{c.difference:+.3f}" + (
+                    f" ({c.difference_ci95[0]:+.2f} to {c.difference_ci95[1]:+.2f})" if c.difference_ci95 else "")
+                lines.append(f"| {names} | {other.label} | {other.step if other.step is not None else '-'} | "
+                             f"{other.tau_macro:.3f} | {_interval(other.tau_macro_ci95)} | {difference} |")
             lines.append("")
         if row.regression:
             lines.append("**REGRESSION**: worse than the best earlier step on the same references (the paired 95% "
@@ -288,7 +308,7 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
                          "Best checkpoint so far (it has no training step).")
         elif row.step is None:
             lines.append("No training step: its place among the steps is unknown, so it is not judged a regression.")
-        elif not earlier:
+        elif not any(c.against == PREVIOUS_STEP for c in compared):
             lines.append("No earlier step to compare with.")
         else:
             lines.append("No regression: not worse than the best earlier step on the same references (the paired "
@@ -308,6 +328,28 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     if reruns:
         lines += ["", "Rerun one stage of this checkpoint:", "", "```", *rerun_commands(results), "```"]
     return "\n".join(lines)
+
+
+# how the summary names what a comparison is against (reporting.history.Comparison.against)
+AGAINST = {PREVIOUS_STEP: "previous step", BEST: "best other checkpoint", BASELINE: "baseline"}
+
+
+def merged(compared: list[Comparison]) -> list[tuple[str, Comparison]]:
+    """One line per other checkpoint, in the order of their first comparison, named by every role it holds
+    ("previous step, best other": the previous step is the best other checkpoint)."""
+    lines: list[tuple[list[str], Comparison]] = []
+    for c in compared:
+        same = next((names for names, first in lines if first.other is c.other), None)
+        if same is None:
+            lines.append(([AGAINST[c.against]], c))
+        else:
+            same.append(AGAINST[c.against])
+    return [(", ".join(n.removesuffix(" checkpoint") if len(names) > 1 else n for n in names), c)
+            for names, c in lines]
+
+
+def _interval(ci: tuple[float, float] | None) -> str:
+    return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
 
 
 def selector_markdown(selector: dict, sampled: bool) -> list[str]:
@@ -338,8 +380,8 @@ def training_markdown(training: dict | None) -> list[str]:
             lines.append(f"They imply an acceptance length of {point['implied']:.2f} (from {point['implied_from']}).")
     for flag in training["flags"]:
         lines += ["", f"**{flag['kind'].upper()}** (step {flag['step']}): {flag['message']}"]
-    if training["log"] and not training["flags"]:
-        lines += ["", "No alarm: training and evaluation agree as far as the log shows."]
+    if training["log"] and not training["flags"] and training.get("no_flag"):
+        lines += ["", training["no_flag"]]  # what was checked, with the numbers (add_history)
     if training["tensorboard"]:
         lines += ["", f"TensorBoard run: `{training['tensorboard']}` (`tensorboard --logdir "
                   f"{Path(training['tensorboard']).parent}`)."]

@@ -9,23 +9,35 @@ path. A checkpoint is flagged as a regression when it is worse than the best che
 step on the same references: the 95% interval of the per-reference difference (paired bootstrap over
 prompts, and samples within a prompt: dflash_core.metrics) lies below 0 (scores written before they kept
 per-reference taus: when its whole interval lies below the best earlier step's); a checkpoint
-without a step is never flagged, as its place among the steps is unknown. Baseline drafters (a
-`baselines` entry holds their checkpoint key, written by `dflash-eval run --baseline`) are rows of
-their own, after the others: never the best, never a regression.
+without a step is never flagged, as its place among the steps is unknown.
+
+Baselines: a checkpoint scored with `dflash-eval run --baseline` has a `baselines` entry (its checkpoint key).
+It is a row of its own, after the others (never the best, never a regression), unless it is a save of a training
+run of the series: it has a training step and sits in the same run folder (training_run_of) as a checkpoint of
+the group that was not scored as a baseline. Such a save stays a step of the curve, so comparing two saves of
+one run (`--drafter runs/x/step_300 --baseline runs/x/step_200`) changes the history of neither, whichever was
+scored first: the rule reads only what the store holds, not the order it was written in. A published drafter
+(no step, outside the run) and a save of another run compared against stay baseline rows.
+
+Comparisons (`comparisons`): a row's tau minus that of the previous step, the best other checkpoint and the
+baselines, with the 95% interval of the per-reference difference (paired): what the command line, `--out`
+results, `history --json`, the Prefect summary and the report show, computed here once.
 
 A damaged scores entry is skipped with a warning naming it (storage.store removes what is damaged; the
 next run recomputes it), and so is a stale one (its drafts were recomputed with another content since:
 the next run scores them again); one whose drafts or checkpoint entry is gone is skipped silently.
 """
 
+import functools
 import json
 import re
 import warnings
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from dflash_core.checkpoint_files import model_name
+from dflash_core.checkpoint_files import model_name, step_from_name
 from dflash_core.metrics import paired_difference_interval
 from dflash_core.sampling import Served
 from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, canonical_json, key_of, read_json
@@ -96,6 +108,7 @@ class Group:
     setting: str  # how the target is served: dflash_core.sampling.Served's label ("greedy, blocks of 4", ...)
     series: str  # its key in Prefect (artifact keys, the `series:` tag): series_key
     rows: list[HistoryRow] = field(default_factory=list)  # candidates in history order (module doc), then baselines
+    names: tuple[str, str] = ("", "")  # what people call its target and prompt set (readable_name), for series_key
 
     @property
     def candidates(self) -> list[HistoryRow]:
@@ -151,7 +164,8 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
         sampled = None if drafts.draft_sampling is None else canonical_json(drafts.draft_sampling)
         group_key = (drafts.features, drafts.sliding_semantics, drafts.chosen_block_size, sampled)
         if group_key not in groups:
-            groups[group_key] = Group(*group_key, *_describe(store, *group_key))
+            title, sweep_title, setting, names = _describe(store, *group_key)
+            groups[group_key] = Group(*group_key, title, sweep_title, setting, "", names=names)
         rows = groups[group_key].rows
         ci = scores.get("tau_macro_ci95")
         row = HistoryRow(
@@ -159,6 +173,7 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
             drafts=record.drafts, scores=key, scores_path=str(store.entry(Stage.SCORES, key) / SCORES_FILE),
             scored_at=scored_at, tau_macro=scores["tau_macro"], tau_macro_ci95=tuple(ci) if ci else None,
             tau_pooled=scores["tau_pooled"], all_positions_tau=scores.get("all_positions_tau"),
+            # scored as a baseline; saves_of_the_series_on_the_curve decides, once the group is known
             baseline=store.is_complete(Stage.BASELINES, drafts.checkpoint, discard_damaged=False),
             per_reference=tuple((p["id"], p.get("prompt") or p["id"], p["tau"]) for p in scores.get("per_prompt", ())
                                 if p.get("tau") is not None),
@@ -175,12 +190,30 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
             other = row if richer is same else same
             row = replace(richer, scored_at=first, merged_scores=richer.merged_scores + (other.scores,))
         rows.append(row)
-    for group in groups.values():
+    for group_key, group in groups.items():
+        group.rows = saves_of_the_series_on_the_curve(group.rows)
         candidates = in_history_order(group.candidates)
         best = max(candidates, key=lambda r: r.tau_macro, default=None)  # the first of equals, in order
         group.rows = [replace(r, best=r is best, regression=_regressed(r, candidates))
                       for r in candidates + sorted(group.baselines, key=_scored)]
+        # named by the training run of its first scored checkpoint: a name that stays as the series grows
+        earliest = min(candidates, key=_scored, default=None)
+        group.series = series_key(store, *group_key, *group.names,
+                                  run=drafter_run(earliest.source) if earliest else None)
     return sorted(groups.values(), key=lambda g: g.title)
+
+
+def saves_of_the_series_on_the_curve(rows: list[HistoryRow]) -> list[HistoryRow]:
+    """The group's rows with `baseline` decided (the module docstring): a row scored as a baseline stays one
+    unless it has a training step and its run folder is that of a row of the group not scored as a baseline."""
+    runs = {training_run_of(r.source) for r in rows if not r.baseline}
+    return [replace(r, baseline=False) if r.baseline and r.step is not None and training_run_of(r.source) in runs
+            else r for r in rows]
+
+
+def training_run_of(source: str) -> str:
+    """The training run a checkpoint source belongs to: the folder or URL its checkpoint folder sits in."""
+    return source.rstrip("/").rsplit("/", 1)[0]
 
 
 def _regressed(row: HistoryRow, candidates: list[HistoryRow]) -> bool:
@@ -202,9 +235,68 @@ def _regressed(row: HistoryRow, candidates: list[HistoryRow]) -> bool:
 def paired_interval(row: HistoryRow, other: HistoryRow) -> tuple[float, float] | None:
     """95% interval of row's tau minus other's, paired on the references both scored (the same in a group);
     None when either lacks per-reference taus or they share no reference."""
-    theirs = {ref: tau for ref, _, tau in other.per_reference}
-    pairs = [(prompt, tau, theirs[ref]) for ref, prompt, tau in row.per_reference if ref in theirs]
+    return _paired(row.per_reference, other.per_reference)
+
+
+@functools.lru_cache(maxsize=4096)  # the regressions, the comparisons and every view ask for the same pairs
+def _paired(ours: tuple[tuple[str, str, float], ...],
+            other: tuple[tuple[str, str, float], ...]) -> tuple[float, float] | None:
+    theirs = {ref: tau for ref, _, tau in other}
+    pairs = [(prompt, tau, theirs[ref]) for ref, prompt, tau in ours if ref in theirs]
     return paired_difference_interval(pairs) if pairs else None
+
+
+PREVIOUS_STEP, BEST, BASELINE = "previous step", "best", "baseline"  # what a Comparison is against
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A row's tau macro minus another checkpoint's of its group, with the 95% interval of the per-reference
+    difference (paired: what the references share cancels, so it is much narrower than the two rows' own
+    intervals side by side)."""
+
+    against: str  # PREVIOUS_STEP, BEST (the best other checkpoint of the series) or BASELINE
+    other: HistoryRow
+    difference: float  # the row's tau macro minus other's
+    difference_ci95: tuple[float, float] | None  # None: either row lacks per-reference taus
+
+    @property
+    def verdict(self) -> str:
+        """What the paired interval says: "better" (above 0), "worse" (below 0), "no difference shown" (it
+        holds 0), or "" without an interval."""
+        if self.difference_ci95 is None:
+            return ""
+        low, high = self.difference_ci95
+        return "better" if low > 0 else "worse" if high < 0 else "no difference shown"
+
+    def as_dict(self) -> dict:
+        """JSON-able: the results' `comparisons`, `history --json`."""
+        ci = self.difference_ci95
+        return {"against": self.against, "checkpoint": self.other.label, "source": self.other.source,
+                "checkpoint_key": self.other.checkpoint, "step": self.other.step, "tau_macro": self.other.tau_macro,
+                "difference": self.difference, "difference_ci95": list(ci) if ci else None}
+
+
+def comparisons(group: Group, row: HistoryRow, baseline: str | None = None) -> list[Comparison]:
+    """`row` (one of group.rows) against, in this order: the previous step (the candidate of the highest step
+    below row's; only for a candidate with a step), the best other candidate of the series, and the baselines:
+    the checkpoint `baseline` names (a checkpoint key: the run's --baseline, a baseline row or a save on the
+    curve), then every other baseline row of the group. One entry per other checkpoint and role: a checkpoint
+    both the previous step and the best is in two."""
+    others = [r for r in group.candidates if r is not row]
+    found: list[tuple[str, HistoryRow]] = []
+    if not row.baseline and row.step is not None:
+        step = row.step
+        earlier = [r for r in others if r.step is not None and r.step < step]
+        if earlier:
+            found.append((PREVIOUS_STEP, earlier[-1]))  # history order: by step
+    if others:
+        found.append((BEST, max(others, key=lambda r: r.tau_macro)))  # the first of equals, in order
+    given = next((r for r in group.rows if baseline is not None and r.checkpoint == baseline and r is not row), None)
+    found += [(BASELINE, r) for r in ([given] if given else [])
+              + [b for b in group.baselines if b is not row and b is not given]]
+    return [Comparison(against, other, row.tau_macro - other.tau_macro, paired_interval(row, other))
+            for against, other in found]
 
 
 def in_history_order(rows: list[HistoryRow]) -> list[HistoryRow]:
@@ -230,27 +322,65 @@ def find_group(groups: list[Group], scores_key: str) -> tuple[Group, HistoryRow]
     return None
 
 
+# Folder and file names that say what a thing is, not which one: a name is read from the nearest part that does.
+GENERIC_NAMES = frozenset({"target", "targets", "model", "models", "drafter", "drafters", "checkpoint", "checkpoints",
+                           "run", "runs", "out", "output", "outputs", "prompts", "eval", "evals", "data", "snapshots",
+                           "hf", "export", "exports", "final", "latest", "best", "main"})
+_HASH = re.compile(r"[0-9a-f]{10,64}")
+SERIES_NAME = 48  # characters: `series:<name>-<8 hex>` is a tag, at most 64
+
+
+def _telling(part: str) -> bool:
+    return bool(part) and part.lower() not in GENERIC_NAMES and not _HASH.fullmatch(part) and not part.startswith(".")
+
+
+def readable_name(path: str) -> str:
+    """A name a person can read for a folder or file: its own name, or where that says only what it is (`target`,
+    `prompts.jsonl`, a commit hash) the nearest telling folder above it before it (`tiny/target`).
+    A URL's path is read the same way; a name that is no path (a Hub id, a suite) is returned as it is."""
+    path = urlsplit(path).path if "://" in path else path
+    parts = [p for p in Path(path.rstrip("/")).parts if p not in ("/", ".")]
+    if not parts:
+        return path
+    leaf = parts[-1]
+    if _telling(Path(leaf).stem if Path(leaf).suffix in (".jsonl", ".json") else leaf):
+        return leaf
+    above = next((p for p in reversed(parts[:-1]) if _telling(p)), None)
+    return f"{above}/{leaf}" if above else leaf
+
+
+def drafter_run(source: str) -> str:
+    """The training run a checkpoint belongs to, as people call it: the run folder of a save named by its step
+    (training_run_of: `runs/exp7/step_300`, a relay's `run1/step_1000`: `exp7`, `run1`), else the checkpoint's own
+    name (a published drafter)."""
+    stepped = step_from_name(source.rstrip("/").rsplit("/", 1)[-1]) is not None
+    return readable_name(training_run_of(source) if stepped and "/" in source.rstrip("/") else source)
+
+
 def series_key(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None,
-               draft_sampling: dict | str | None, target: str, prompts: str) -> str:
-    """A series' key in Prefect: `<target>-<prompts>-<8 hex>`, lowercase letters, digits and dashes (an artifact
-    key's alphabet). The hex digits are what makes its taus comparable: the store, the features entry (the
-    target's content and the references': prompts, max new tokens, thinking, backend, sampling), the
-    sliding-layer semantics, the chosen block size and how drafts are sampled (draft_sampling, the drafts
-    record's, or its canonical JSON; None: greedy drafts); the names only make it readable."""
+               draft_sampling: dict | str | None, target: str, prompts: str, run: str | None = None) -> str:
+    """A series' key in Prefect: `<target>-<drafter run>-<prompts>-<8 hex>`, lowercase letters, digits and dashes (an
+    artifact key's alphabet), a word the parts repeat said once (`tiny-target-drafter-prompts-...`). The hex digits
+    are what makes its taus comparable: the store, the features entry (the target's content and the references':
+    prompts, max new tokens, thinking, backend, sampling), the sliding-layer semantics, the chosen block size and how
+    drafts are sampled (draft_sampling, the drafts record's, or its canonical JSON; None: greedy drafts); the names
+    (readable_name, drafter_run) only make it readable."""
     if isinstance(draft_sampling, str):
         draft_sampling = json.loads(draft_sampling)
     identity = key_of({"store": store.location, "features": features_key, "sliding_semantics": sliding_semantics,
                        "block_size": chosen_block_size,
                        # only when sampled: the keys of greedy drafts' series stay as they were
                        **({"draft_sampling": draft_sampling} if draft_sampling is not None else {})})[:8]
-    name = re.sub(r"[^a-z0-9]+", "-", f"{target}-{Path(prompts).stem}".lower()).strip("-")[:40].strip("-")
+    prompts = re.sub(r"\.jsonl?$", "", readable_name(prompts))
+    words = re.sub(r"[^a-z0-9]+", " ", " ".join((target, run or "", prompts)).lower()).split()
+    name = "-".join(dict.fromkeys(words))[:SERIES_NAME].strip("-")
     return f"{name or 'series'}-{identity}"
 
 
-def _describe(store: Store, features_key: str, sliding_semantics: str,
-              chosen_block_size: int | None, draft_sampling: str | None) -> tuple[str, str, str, str]:
-    """A group's (title, sweep title, setting, series key): the title for people, that title without the block
-    size, how the target is served (dflash_core.sampling.Served's label), its key in Prefect."""
+def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None,
+              draft_sampling: str | None) -> tuple[str, str, str, tuple[str, str]]:
+    """A group's (title, sweep title, setting, names): the title for people, that title without the block size, how
+    the target is served (dflash_core.sampling.Served's label), and what people call its target and prompt set."""
     try:
         # a title only: records, no files read
         features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, features_key, verify=False,
@@ -262,11 +392,11 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
                                     draft_sampling=None if draft_sampling is None else json.loads(draft_sampling))
         blocks = "" if served.default else f", {served.label}"
         title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
-        return (title + blocks, title, f"features {features_key[:12]}" + blocks,
-                series_key(store, features_key, sliding_semantics, chosen_block_size, draft_sampling, "features",
-                           features_key[:12]))
-    target = references.target_name or model_name(references.target or "target")  # older entries: from the path
-    prompts = Path(references.prompts).name or "prompts"
+        return title + blocks, title, f"features {features_key[:12]}" + blocks, ("features", features_key[:12])
+    # --name, else the Hub id (model_name), else the telling part of its path; older entries: from the path
+    named = references.target_name or model_name(references.target or "target")
+    target = named if references.target_name or "/" in named else readable_name(references.target or named)
+    prompts = readable_name(references.prompts) or "prompts"
     if references.benchmarks:  # published benchmarks: by which protocol (two protocols are two series)
         prompts += f" ({references.benchmarks['protocol']})"
     given = references.backend.get("kind") == "given"
@@ -276,8 +406,7 @@ def _describe(store: Store, features_key: str, sliding_semantics: str,
     title = f"{target} on {prompts}, {references.max_new_tokens} new tokens"
     semantics = f" ({sliding_semantics} sliding layers)"
     return (title + ("" if served.default else f", {served.label}") + semantics,
-            title + ("" if swept.default else f", {swept.label}") + semantics, served.label,
-            series_key(store, features_key, sliding_semantics, chosen_block_size, draft_sampling, target, prompts))
+            title + ("" if swept.default else f", {swept.label}") + semantics, served.label, (target, prompts))
 
 
 def source_name(source: str) -> str:

@@ -4,8 +4,10 @@ For each group of comparable scores (same target, references and sliding-layer s
 reporting.history) the report shows:
 
 - every scored checkpoint, in history order (by training step; checkpoints without one by when they were
-  first scored, never by path: reporting.history): tau macro with its 95% interval, tau pooled, the best step,
-  regressions and baselines, and the speedup upper bound of the newest checkpoint (the last in that order);
+  first scored, never by path: reporting.history): tau macro with its 95% interval, tau pooled, its tau minus the
+  previous step's and minus the best other checkpoint's with the paired 95% interval of the difference
+  (reporting.history.comparisons), the best step, regressions and baselines, and the speedup upper bound of the
+  newest checkpoint (the last in that order);
 - tau macro over training steps, with the intervals, the best step, regressions and each baseline as a
   dashed line with its interval as a band;
 - for the newest `last` checkpoints and the baselines: the conditional acceptance of each draft position
@@ -18,6 +20,9 @@ reporting.history) the report shows:
 - for a series on published benchmarks (its references record's `benchmarks`): the protocol in its heading and,
   for its newest checkpoint, tau per benchmark in z-lab's layout with the published tau beside it and the notes
   (reporting.benchmarks, the same table the command line and the Prefect summary show);
+- beside each training run with a log: what the trainer logged at each evaluated step (its own number in a
+  column named by its tag) and what its numbers imply, the alarm's flags, or the line saying what its checks
+  found where none was raised (reporting.training_side);
 - for each checkpoint with a `diagnostics` store entry: tau with each target layer's features zeroed
   (which layers the drafter relies on), tau with the target layers shifted by an offset (whether the
   drafter reads the layers it was trained on), tau with the other sliding-layer semantics, and the first
@@ -35,7 +40,7 @@ import functools
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -52,7 +57,7 @@ from dflash_eval.reporting.benchmarks import (
     markdown_strong,
     reasoning_of,
 )
-from dflash_eval.reporting.history import Group, HistoryRow, history
+from dflash_eval.reporting.history import BEST, PREVIOUS_STEP, Comparison, Group, HistoryRow, comparisons, history
 from dflash_eval.reporting.plots import (
     ablation_plot,
     acceptance_plot,
@@ -64,7 +69,7 @@ from dflash_eval.reporting.plots import (
     tau_plot,
 )
 from dflash_eval.reporting.selector import ShownSelector, count, share
-from dflash_eval.reporting.training_side import TrainingSide, training_sides
+from dflash_eval.reporting.training_side import TrainingSide, logged_column, training_sides
 from dflash_eval.storage import EntryMissing, Store, read_json
 from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import (
@@ -163,6 +168,9 @@ class GroupSection:
     selector_plot: Plot | None  # their shares by draft position; None: no shown row has a selector
     diagnostics: list[DiagnosticsSection]
     training: list[TrainingSide]  # each training run of the group's checkpoints with a log, beside it
+    # each row's (scores key) tau minus the previous step's and the best other checkpoint's, with the paired 95%
+    # interval, as table cells ("-": none): reporting.history.comparisons
+    paired: dict[str, tuple[str, str]] = field(default_factory=dict)
     protocol: str | None = None  # published benchmarks: their protocol; None: other prompts
     benchmarks: BenchmarkTable | None = None  # published benchmarks: the newest checkpoint's tau on each
 
@@ -310,6 +318,7 @@ def _environment(autoescape: bool) -> Environment:
     environment.filters.update(counted=_count, decimals=_decimals, percent=_percent, fence=_fence,
                                md_cell=_markdown_cell, md_strong=markdown_strong, name=name_of, squash=_squash,
                                share=share, count=count)
+    environment.globals.update(logged_column=logged_column)  # the training table's column of the trainer's number
     return environment
 
 
@@ -375,9 +384,24 @@ def _group_section(store: Store, group: Group, anchor: str, last: int, diagnosti
                            selector_plot(selectors, colors)) if selectors else None,
         diagnostics=sections,
         training=training,
+        paired={row.scores: _paired_cells(group, row) for row in group.rows},
         protocol=references.benchmarks["protocol"] if references and references.benchmarks else None,
         benchmarks=_benchmark_table(references, group, latest, scores[latest.scores]) if references else None,
     )
+
+
+def _paired_cells(group: Group, row: HistoryRow) -> tuple[str, str]:
+    """The table's cells of row's tau minus the previous step's and minus the best other checkpoint's, each with
+    the 95% interval of the per-reference difference (reporting.history.comparisons); "-" where there is none."""
+    found = {c.against: c for c in comparisons(group, row)}
+
+    def cell(c: Comparison | None) -> str:
+        if c is None:
+            return "-"
+        ci = c.difference_ci95
+        return f"{c.difference:+.3f}" + (f" ({ci[0]:+.2f} to {ci[1]:+.2f})" if ci else "") + f" vs {c.other.label}"
+
+    return cell(found.get(PREVIOUS_STEP)), cell(found.get(BEST))
 
 
 def _published_references(store: Store, group: Group) -> ReferencesRecord | None:

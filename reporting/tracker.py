@@ -7,15 +7,25 @@ a run killed mid-write leaves the previous projection (the new event file is com
 place, the old ones are removed after). Our event files end in TRACKER_SUFFIX, so the trainer's log reader
 (dflash_eval.reporting.training_log) never takes them for the trainer's.
 
-Scalars, at each checkpoint's training step, under PREFIX (greedy at the drafter's block size) or
-PREFIX/<setting> (a sampled setting, a chosen block size: dflash_core.sampling.Served's label, "greedy, blocks of 4"):
-tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high, all_positions_tau (when scored),
-acceptance_at_position/<k> (P(position k accepted | earlier ones accepted)), teacher_forced_accuracy/<k>
-(scored with --all-positions), and, where the trainer's log implies one, trainer_implied_acceptance. A DFlash2
+Scalars, at each checkpoint's training step, one number per checkpoint under PREFIX (greedy at the drafter's
+block size) or PREFIX/<setting> (a sampled setting, a chosen block size: dflash_core.sampling.Served's label,
+"greedy, blocks of 4"): tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high,
+all_positions_tau (when scored), and, where the trainer's log implies one, trainer_implied_acceptance; a DFlash2
 drafter adds its candidate selector against its unary head alone (dflash_core.metrics.selector_summary):
-selector/unary_tau_macro (the tau of the head's argmax alone), selector/lift (tau_macro minus it), and per draft
-position selector/selector_accuracy/<k>, selector/argmax_accuracy/<k>, selector/candidate_recall/<k> (where a
-decode step reached k). The gap alarm's flags are text, PREFIX/flags.
+selector/unary_tau_macro (the tau of the head's argmax alone) and selector/lift (tau_macro minus it). The series
+by draft position are under BY_POSITION (BY_POSITION/<setting>): acceptance_at_position/<k> (P(position k
+accepted | earlier ones accepted)), teacher_forced_accuracy/<k> (scored with --all-positions), and for DFlash2
+selector/selector_accuracy/<k>, selector/argmax_accuracy/<k>, selector/candidate_recall/<k> (where a decode step
+reached k). The gap alarm's flags are text, PREFIX/flags.
+
+TensorBoard's default view (Time Series, Scalars) groups cards by the tag's first component, sorted, and opens
+the first two groups: PREFIX's first, tau_macro its first card (only all_positions_tau, a DFlash2 drafter's
+selector/lift and selector/unary_tau_macro and other settings' tau series sort before it), and the cards by position in their own group after it (they used to be
+PREFIX/acceptance_at_position/<k>, ..., seven cards and more in front of tau: every write rewrites the run whole
+from the store, so the next evaluation of any step of a training run renames them in its TensorBoard and MLflow
+runs; nothing reads our runs back). The run also holds a Custom Scalars layout
+(custom_scalars_layout; TensorBoard's "Custom Scalars" tab), first tau beside the trainer's own acceptance
+metric on one chart: its tag regexes match across runs, ours and the trainer's.
 
 With a tracking URI (--mlflow), the same points go to an MLflow run of ours (experiment "dflash-eval", one
 run per training run, tagged with it), rewritten the same way: a new run, then the old one deleted.
@@ -29,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash_eval.reporting.training_log import TRACKER_SUFFIX, read_training_log
+from dflash_eval.reporting.training_log import TRACKER_SUFFIX, TRAINER_ACCEPTANCE, read_training_log
 from dflash_eval.storage import read_json
 
 from .history import Group
@@ -37,6 +47,7 @@ from .selector import SHARES
 from .training_side import TrainingSide, holds_training_log, training_run_of, training_sides
 
 PREFIX = "dflash_eval"
+BY_POSITION = "dflash_eval_by_position"  # the series by draft position: a tag group after PREFIX's
 MLFLOW_EXPERIMENT = "dflash-eval"
 MLFLOW_RUN_TAG = "dflash_eval.training_run"  # the training run an MLflow run of ours shows
 
@@ -57,6 +68,14 @@ def series_prefixes(groups: list[Group]) -> dict[int, str]:
     prefixes = {i: PREFIX if g.setting == "greedy" else f"{PREFIX}/{_tag(g.setting)}" for i, g in enumerate(groups)}
     shared = {p for p in prefixes.values() if list(prefixes.values()).count(p) > 1}
     return {i: f"{p}/{_tag(groups[i].title)}" if p in shared else p for i, p in prefixes.items()}
+
+
+def by_position(prefix: str) -> str:
+    """The prefix of a series' tags by draft position: PREFIX/<setting> -> BY_POSITION/<setting>."""
+    return BY_POSITION + prefix[len(PREFIX):]
+
+
+_PER_POSITION = re.compile(r"/\d+$")  # _scalars' names by draft position end in /<k>, no other does
 
 
 @dataclass(frozen=True)
@@ -83,7 +102,8 @@ def projection(groups: list[Group], run: str, sides: dict[int, TrainingSide]) ->
         for row in sorted(rows, key=lambda r: r.step or 0):
             assert row.step is not None
             for name, value in _scalars(row, read_json(Path(row.scores_path)), side).items():
-                scalars.append((f"{prefixes[index]}/{name}", row.step, value))
+                prefix = by_position(prefixes[index]) if _PER_POSITION.search(name) else prefixes[index]
+                scalars.append((f"{prefix}/{name}", row.step, value))
             if flags := side.flags_at(row.step) if side else []:
                 texts.append((f"{prefixes[index]}/flags", row.step,
                               "\n\n".join(f"**{f.kind}**: {f.message}" for f in flags)))
@@ -102,6 +122,7 @@ def write_tensorboard(folder: Path, points: Projection) -> None:
             writer.add_scalar(tag, value, global_step=step)
         for tag, step, text in points.texts:
             writer.add_text(tag, text, global_step=step)
+        writer.add_custom_scalars(custom_scalars_layout(points))
         writer.close()
         (written,) = staging.glob(f"events.out.tfevents.*{TRACKER_SUFFIX}")
         # copied under a name TensorBoard does not read, then renamed: a reader never sees half a file
@@ -113,6 +134,53 @@ def write_tensorboard(folder: Path, points: Projection) -> None:
     for old in folder.glob(f"events.out.tfevents.*{TRACKER_SUFFIX}"):
         if old.name != written.name:
             old.unlink(missing_ok=True)
+
+
+LAYOUT_TAU = "dflash-eval: tau beside the trainer"  # the Custom Scalars tab's first category
+TAU_BESIDE_TRAINER = "tau (dflash-eval) beside the trainer's acceptance"  # ... and its first chart
+# that chart's tag regexes (TensorBoard matches each from a tag's start, in every run): tau_macro of every
+# series, what the trainer's numbers imply, and the trainer's own acceptance metric under each name
+# training_log reads it by
+TAU_BESIDE_TRAINER_TAGS = (rf"^{PREFIX}/(?:.+/)?tau_macro$", rf"^{PREFIX}/(?:.+/)?trainer_implied_acceptance$",
+                           *(f"^{re.escape(name)}$" for name in TRAINER_ACCEPTANCE))
+
+
+def custom_scalars_layout(points: Projection) -> dict[str, dict[str, list]]:
+    """TensorBoard's Custom Scalars layout of our run (SummaryWriter.add_custom_scalars' form: {category: {chart:
+    ["Multiline", tag regexes] or ["Margin", [value, lower, upper tags]]}}), in the order the tab shows it:
+    LAYOUT_TAU first, its first chart tau beside the trainer's acceptance (TAU_BESIDE_TRAINER), then tau with its
+    interval per series; then the series by draft position; then a DFlash2 drafter's selector."""
+    tags = set(points.tags)
+    series = sorted((tag.removesuffix("/tau_macro") for tag in tags
+                     if tag.endswith("/tau_macro") and tag.startswith(f"{PREFIX}/")), key=lambda p: (p != PREFIX, p))
+
+    def named(title: str, prefix: str) -> str:
+        return title if prefix == PREFIX else f"{title} ({prefix[len(PREFIX) + 1:]})"
+
+    def exact(tag: str) -> str:
+        return f"^{re.escape(tag)}$"
+
+    tau: dict[str, list] = {TAU_BESIDE_TRAINER: ["Multiline", list(TAU_BESIDE_TRAINER_TAGS)]}
+    for p in series:
+        if {f"{p}/tau_macro_ci95_low", f"{p}/tau_macro_ci95_high"} <= tags:
+            tau[named("tau_macro with its 95% interval", p)] = [
+                "Margin", [f"{p}/tau_macro", f"{p}/tau_macro_ci95_low", f"{p}/tau_macro_ci95_high"]]
+    positions: dict[str, list] = {}
+    selector: dict[str, list] = {}
+    for p in series:
+        for name, title in (("acceptance_at_position", "acceptance at draft position k (given the earlier ones)"),
+                            ("teacher_forced_accuracy", "teacher-forced accuracy at draft position k")):
+            if any(tag.startswith(f"{by_position(p)}/{name}/") for tag in tags):
+                positions[named(title, p)] = ["Multiline", [f"^{re.escape(by_position(p))}/{name}/" + r"\d+$"]]
+        if f"{p}/selector/unary_tau_macro" in tags:
+            selector[named("tau against its unary head alone", p)] = [
+                "Multiline", [exact(f"{p}/tau_macro"), exact(f"{p}/selector/unary_tau_macro")]]
+            selector[named("the selector's lift", p)] = ["Multiline", [exact(f"{p}/selector/lift")]]
+            for share in SHARES:
+                selector[named(f"{share} by draft position", p)] = [
+                    "Multiline", [f"^{re.escape(by_position(p))}/selector/{share}/" + r"\d+$"]]
+    layout = {LAYOUT_TAU: tau, "dflash-eval: by draft position": positions, "dflash-eval: DFlash2 selector": selector}
+    return {category: charts for category, charts in layout.items() if charts}
 
 
 def write_mlflow(tracking_uri: str, run: str, points: Projection) -> str:

@@ -6,6 +6,8 @@ specforge/training/checkpoint.py, specforge/eval/evaluator.py and transformers' 
 - TensorBoard event files: SpecForge's tracker writes `<output_dir>/runs`, transformers' Trainer
   `<output_dir>/runs/<date_host>`. Read with TensorBoard's own reader (EventAccumulator), every folder
   under the run folder except ours (event files ending in TRACKER_SUFFIX: reporting.tracker writes them).
+  What the reader logs while we read (a dozen DEBUG and INFO lines per file) never reaches the console: its
+  logger is quieted for the read only (_quiet_reader), and what it says about damage becomes a problem.
 - `{run_id}.best_meta.json` (SpecForge's CheckpointManager): {run_id, step, score, metric, metrics}, the
   step the trainer calls its best by its own metric (`eval/simulated_acc_len` by default).
 - `trainer_state.json` (transformers' Trainer, in the run folder or in each `checkpoint-N/`): `log_history`,
@@ -25,7 +27,9 @@ import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,39 +200,63 @@ def _read_events(folder: Path, log: TrainingLog) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     accumulator = EventAccumulator(str(folder), size_guidance={"scalars": 0, "tensors": 0})
-    reader_log = logging.getLogger("tensorboard")
-    caught, level = _Caught(), reader_log.level
-    reader_log.addHandler(caught)
-    reader_log.setLevel(logging.DEBUG)  # the reader reports a cut-short record at debug level only
-    try:
-        accumulator.Reload()
-    except Exception as e:  # noqa: BLE001 - a damaged event file: what was read before it is kept
-        log.problems.append(f"training log {folder}: event files unreadable past some point ({type(e).__name__}: {e})")
-    finally:
-        reader_log.removeHandler(caught)
-        reader_log.setLevel(level)
+    with _quiet_reader() as caught:
+        try:
+            accumulator.Reload()
+        except Exception as e:  # noqa: BLE001 - a damaged event file: what was read before it is kept
+            log.problems.append(f"training log {folder}: event files unreadable past some point "
+                                f"({type(e).__name__}: {e})")
     log.problems += [f"training log {message}" for message in caught.messages]
     for tag in accumulator.Tags().get("scalars", []):
         points = log.scalars.setdefault(tag, [])
         points += [(int(e.step), float(e.value)) for e in accumulator.Scalars(tag) if math.isfinite(e.value)]
 
 
-class _Caught(logging.Handler):
-    """What TensorBoard's reader says about damage instead of raising: a record cut short or failing its
-    checksum (it stops reading that file there), anything it warns about."""
+READER_LOGGER = "tensorboard"  # every logger of TensorBoard's event reader (tensorboard.util.tb_logging)
+_READING = threading.Lock()  # one read at a time quiets the logger: each restores what it found
 
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
+
+@contextmanager
+def _quiet_reader() -> Iterator["_Caught"]:
+    """While TensorBoard's reader runs in this thread: what it logs (a dozen DEBUG and INFO lines per event
+    file: "Loading events from", "No path found after", ...) reaches no handler, neither the console's nor
+    Prefect's, whatever the user's logging config; what it says about damage is caught instead (_Caught).
+    Only the reader's logger is touched, and only for the read: its level and filters are restored after, and
+    what other threads log through it meanwhile is passed or dropped as the logger's level before would."""
+    logger = logging.getLogger(READER_LOGGER)
+    with _READING:
+        level = logger.level
+        caught = _Caught(logger.getEffectiveLevel())
+        logger.addFilter(caught)
+        logger.setLevel(logging.DEBUG)  # the reader reports a cut-short record at debug level only
+        try:
+            yield caught
+        finally:
+            logger.setLevel(level)
+            logger.removeFilter(caught)
+
+
+class _Caught(logging.Filter):
+    """What TensorBoard's reader says about damage instead of raising: a record cut short or failing its
+    checksum (it stops reading that file there), anything it warns about. A filter on the reader's logger:
+    the records of the thread reading are kept here and go no further."""
+
+    def __init__(self, level_before: int) -> None:
+        super().__init__()
+        self.thread, self.level_before = threading.get_ident(), level_before
         self.messages: list[str] = []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.msg.startswith("Truncated record in"):
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread is not None and record.thread != self.thread:  # another thread's: as before the read
+            return record.levelno >= self.level_before
+        if str(record.msg).startswith("Truncated record in"):
             path, error = record.args  # type: ignore[misc]
             what = "cut short" if "truncated" in str(error) else "damaged (a record fails its checksum)"
             self.messages.append(f"{path}: {what}; the points after that place are not read (a trainer still "
                                  "writing the file may be why)")
         elif record.levelno >= logging.WARNING:
             self.messages.append(record.getMessage())
+        return False
 
 
 def _read_best_meta(path: Path, log: TrainingLog) -> None:

@@ -96,12 +96,15 @@ class DeadlineRequestHandler(BaseHTTPRequestHandler):
 
     def read_body(self) -> bytes:
         """The request's body: Content-Length bytes, at most `max_body_bytes`, arriving whole within
-        `request_timeout`. Raises ErrorResponse 400 (no usable length, a chunked body, one cut short) or 413
-        (over the cap); then the connection closes, as its unread bytes cannot be skipped."""
-        try:
-            length = int(self.headers.get("Content-Length") or 0)
-        except ValueError:
-            length = -1
+        `request_timeout`. Raises ErrorResponse 400 (no usable length, Content-Length headers that disagree, a
+        chunked body, one cut short) or 413 (over the cap); then the connection closes, as its unread bytes cannot
+        be skipped."""
+        given = [value.strip() for value in self.headers.get_all("Content-Length") or []]
+        if len(set(given)) > 1:  # which one ends the body? RFC 9112, 6.3: a 400, and the connection closed
+            self.close_connection = True
+            raise ErrorResponse(400, f"the request has {len(given)} Content-Length headers that disagree: send one")
+        text = given[0] if given and given[0] else "0"
+        length = int(text) if text.isascii() and text.isdigit() else -1  # digits only (int() also takes "+1", "1_0")
         if length < 0 or self.headers.get("Transfer-Encoding"):
             self.close_connection = True
             raise ErrorResponse(400, "the request needs a Content-Length (chunked bodies are not taken)")

@@ -175,7 +175,9 @@ class DiagnosticsRecord(_Record):
 
 @dataclass(frozen=True)
 class BaselineRecord(_Record):
-    """A checkpoint scored as a baseline (`dflash-eval run --baseline`); the entry's key is its fetch key."""
+    """A checkpoint scored as a baseline (`dflash-eval run --baseline`); the entry's key is its fetch key. It makes
+    the checkpoint a baseline row of the history unless it is a save of a training run of the series
+    (reporting.history: saves_of_the_series_on_the_curve)."""
 
     source: str
     step: int | None

@@ -1,7 +1,10 @@
 """Baselines stage: marks a checkpoint as scored as a baseline (`dflash-eval run --baseline`).
 
-One entry per checkpoint key, holding its source and step; reporting/history.py lists such checkpoints
-as rows of their own, never the best and never a regression.
+One entry per checkpoint key, holding its source and step. reporting/history.py lists such checkpoints as rows of
+their own, never the best and never a regression, except a save of a training run of the series (a step, in the
+run folder of a checkpoint of the series not scored as a baseline), which stays a step of the curve: comparing two
+saves of one run changes the history of neither, whichever was scored first (the entry says only that it was
+compared against; the history decides from what the store holds).
 """
 
 from prefect import task

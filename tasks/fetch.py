@@ -40,6 +40,7 @@ from dflash_core.checkpoint_files import (
     NotACheckpoint,
     checkpoint_files,
     not_ready,
+    saves_beneath,
     step_from_name,
     training_step,
 )
@@ -176,10 +177,10 @@ def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...]
         pending = not_ready(directory, settle_seconds, found)
     except CheckpointBroken as e:
         raise CheckpointError(f"drafter checkpoint {source} is broken: {e}; the save did not complete") from None
-    except NotACheckpoint:  # settled, and still no weights: a run folder, a typo
-        inner = sorted(p.name for p in directory.iterdir() if p.is_dir() and checkpoint_files(p))
+    except NotACheckpoint:  # settled, and still no weights: a run folder (its saves finished or still settling), a typo
+        inner = saves_beneath(directory, settle_seconds)
         raise CheckpointError(f"drafter checkpoint {source} holds no drafter weights ({WEIGHT_FILE_NAMES})"
-                              + (f"; its sub-folders {inner[:4]} do: pass one of them" if inner else "")) from None
+                              + (f"; {inner}" if inner else "")) from None
     if pending is not None:
         raise _NotYet(pending)
     if found is None:  # weights written between checkpoint_files' look and not_ready's: the next look judges them

@@ -222,3 +222,59 @@ def test_an_entry_this_user_cannot_read_is_reported_not_a_crash(open_folder):
     code, output = _as_nobody(["verify", "--store", str(store.root)])
     assert code == 1 and f"unreadable scores/{key}:" in output and "permission denied" in output, output
     assert "nothing was changed" in output and (directory / "scores.json").is_file()
+
+
+# --- a temperature out of range: refused by the settings (command line, --config, a deployment's parameters) and by
+# Sampling, never left to crash in sampling or to sample noise
+
+@pytest.mark.parametrize(("temperature", "says"), [
+    ("1e-40", "error: --temperature 1e-40: give 0 for greedy, or at least 0.01 to sample"),
+    ("0.005", "error: --temperature 0.005: give 0 for greedy, or at least 0.01 to sample"),
+    ("1e308", "error: --temperature must lie in [0, 2], got 1e+308"),
+    ("2.5", "error: --temperature must lie in [0, 2], got 2.5"),
+    ("inf", "error: --temperature must be a finite number, got inf"),
+    ("nan", "error: --temperature must be a finite number, got nan"),
+])
+def test_a_temperature_out_of_range_is_one_line_and_nothing_is_written(tmp_path, temperature, says):
+    line = one_line([*RUN, "--temperature", temperature, "--top-k", "20", "--samples", "2",
+                     "--store", str(tmp_path / "store"), "--out", str(tmp_path / "results.json")])
+    assert line.startswith(says), line
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_temperature_out_of_range_in_a_config_file_is_named_by_its_flag(tmp_path):
+    config = tmp_path / "team.toml"
+    config.write_text("temperature = 1e-40\n")
+    assert one_line([*RUN, "--config", str(config)]).startswith("error: --temperature 1e-40: give 0 for greedy")
+    config.write_text("temperature = 1e308\n")
+    assert one_line([*RUN, "--config", str(config)]) == "error: --temperature must lie in [0, 2], got 1e+308"
+
+
+@pytest.mark.parametrize(("temperature", "says"), [
+    (1e-40, "serving.temperature 1e-40: give 0 for greedy, or at least 0.01 to sample"),
+    (1e308, "serving.temperature must lie in [0, 2], got 1e+308"),
+    (float("inf"), "serving.temperature must be a finite number, got inf"),
+])
+def test_a_deployments_temperature_out_of_range_is_refused_naming_the_parameter(temperature, says):
+    from dflash_eval.flows.checks import InputError, check_evaluation
+
+    with pytest.raises(InputError) as refused:
+        check_evaluation({"inputs": {"target": "t", "prompts": "p"}, "serving": {"temperature": temperature},
+                          "drafter": "d"})
+    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 0.005, 2.5, 1e308, float("inf"), float("nan"), -1.0])
+def test_sampling_refuses_the_temperatures_the_settings_refuse(temperature):
+    from dflash_core.sampling import Sampling
+
+    with pytest.raises(ValueError, match=r"temperature must be 0 \(greedy\) or lie in \[0.01, 2\]"):
+        Sampling(temperature)
+
+
+def test_the_temperature_bounds_are_the_same_in_the_settings_and_in_sampling():
+    from dflash_core import sampling
+    from dflash_eval.flows import settings
+
+    assert (settings.MIN_TEMPERATURE, settings.MAX_TEMPERATURE) == (sampling.MIN_TEMPERATURE, sampling.MAX_TEMPERATURE)
+    assert sampling.Sampling(0.01).temperature == 0.01 and sampling.Sampling(2.0).temperature == 2.0

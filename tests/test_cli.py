@@ -14,7 +14,7 @@ def test_tiny_build_writes_a_run_a_user_can_point_at(tmp_path):
     result = CliRunner().invoke(app, ["tiny", "build", "--out", str(out), "--target-steps", "5",
                                       "--drafter-steps", "4", "--save-every", "2"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (out / "drafter").iterdir()) == ["step_2", "step_4"]
+    assert sorted(p.name for p in (out / "drafter").iterdir()) == ["runs", "step_2", "step_4"]  # runs: the trainer's log
     for step in ("step_2", "step_4"):
         assert {"config.json", "model.safetensors"} <= {p.name for p in (out / "drafter" / step).iterdir()}
     assert (out / "target" / "tokenizer.json").exists() and (out / "target" / "model.safetensors").exists()

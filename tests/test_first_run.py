@@ -3,6 +3,7 @@ first start of Prefect's temporary server compiles Prefect's server and creates 
 and a server that still does not start in time ends with one line saying what to do, exit 2, no traceback."""
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -128,10 +129,40 @@ def test_the_first_demo_after_an_install_runs_to_the_end(tiny_qwen3_run, tmp_pat
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "Traceback" not in output and "error: " not in output, output
-    assert f"tiny run: {tiny_qwen3_run.root}" in output  # reused, not built again
+    assert f"tiny run: {tiny_qwen3_run.root}\n" in output  # reused, not built again
     steps = [step.name for step in tiny_qwen3_run.drafter_steps]
-    table = output[output.index("step        tau macro  tau pooled  ran"):].splitlines()[1:1 + len(steps)]
+    header = "step        tau macro     95% CI  tau pooled  trainer eval acc  trainer implies  ran"
+    table = output[output.index(header):].splitlines()[1:1 + len(steps)]
     assert [line.split()[0] for line in table] == steps, output
-    assert all(float(line.split()[1]) >= 1 and float(line.split()[2]) >= 1 for line in table), output  # tau macro, pooled
+    assert all(float(line.split()[1]) >= 1 and float(line.split()[3]) >= 1 for line in table), output  # tau macro, pooled
+    # beside tau, what the tiny run's trainer logged: its held-out accuracy and the acceptance its accuracies imply
+    assert all(0 < float(line.split()[4]) < 1 and float(line.split()[5]) >= 1 for line in table), output
     assert table[0].endswith("fetch, references, features, drafts, scores"), output
     assert (tmp_path / ".dflash-store").is_dir()
+
+    # it ends saying where to look next, with paths that exist
+    next_steps = output[output.index("\nnext:\n"):]
+    report = tmp_path / ".dflash-store" / "report" / "report.html"
+    assert str(report) in next_steps and report.is_file(), next_steps
+    assert "dflash-eval history --store .dflash-store" in next_steps
+    logdir = tiny_qwen3_run.root / "drafter" / "runs"
+    assert f"tensorboard --logdir {logdir}" in next_steps
+    assert list(logdir.glob("events.out.tfevents.*")) and list((logdir / "dflash-eval").glob("events.out.tfevents.*"))
+
+    # README's example result is what the demo prints for the last step
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    tau, low, high, pooled = re.search(r"tau (\d\.\d{3}) \(95% CI (\d\.\d\d)-(\d\.\d\d)\), pooled (\d\.\d{3}), step 400",
+                                       readme).groups()
+    last = table[-1].split()
+    assert last[0] == "step_400" and (last[1], last[2], last[3]) == (tau, f"{low}-{high}", pooled), (last, readme)
+    assert f'"tau_macro": {tau},' in readme and f'"tau_pooled": {pooled},' in readme
+    assert f'"tau_macro_ci95": [{low}, {high}],' in readme
+
+    # `run --help`'s example names the tiny run's folders: they exist once TINY is the folder the demo printed
+    shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).output
+    example = " ".join(shown[shown.index("dflash-eval run --target"):shown.index("TINY stands for")].replace("\\", " ")
+                       .split())
+    for option in ("--target", "--drafter", "--prompts"):
+        path = example.split(f"{option} ")[1].split()[0]
+        assert path.startswith("TINY/") and Path(path.replace("TINY", str(tiny_qwen3_run.root), 1)).exists(), example
+    assert "TINY stands for the tiny run's folder: `dflash-eval demo` prints it" in " ".join(shown.split())

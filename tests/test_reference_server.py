@@ -720,3 +720,99 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_read(server):
         s.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode())
         answer = s.recv(65536).decode()
     assert answer.startswith("HTTP/1.1 413") and "Connection: close" in answer, answer
+
+
+# --- values Python's json reads but no model takes: 400 naming the field (not 500), and the server keeps serving
+
+def raw_post(server, path: str, body: str) -> tuple[int, dict]:
+    """POST `body` as it is written (JSON's NaN, a lone surrogate's escape): (status, the answer's JSON)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=TIMEOUT)
+    try:
+        connection.request("POST", path, body=body.encode(), headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
+def still_serves(server, local):
+    assert generate(server, {"input_ids": [5, 6, 7], "sampling_params": greedy_params(max_new_tokens=2)})[
+        "output_ids"] == expected(local, [5, 6, 7], max_new=2)
+
+
+GENERATE = '{{"input_ids": [5, 6, 7], "sampling_params": {{"max_new_tokens": 2, {}}}}}'
+COMPLETIONS = '{{"prompt": [5, 6, 7], "max_tokens": 2, {}}}'
+
+
+@pytest.mark.parametrize(("path", "body", "param", "says"), [
+    ("/generate", GENERATE.format('"temperature": NaN'), "temperature",
+     "temperature must be a finite number >= 0, got NaN"),
+    ("/v1/completions", COMPLETIONS.format('"temperature": NaN'), "temperature",
+     "temperature must be a finite number >= 0, got NaN"),
+    ("/generate", GENERATE.format('"temperature": Infinity'), "temperature",
+     "temperature must be a finite number >= 0, got Infinity"),
+    ("/v1/completions", COMPLETIONS.format('"temperature": 1e308'), "temperature",
+     "temperature must be 0 (greedy) or lie in [0.01, 2], got 1e+308"),
+    ("/generate", GENERATE.format('"temperature": 0.001'), "temperature",
+     "temperature must be 0 (greedy) or lie in [0.01, 2], got 0.001"),
+    ("/v1/completions", COMPLETIONS.format('"temperature": 1, "top_p": NaN'), "top_p",
+     "top_p must be a finite number, got NaN"),
+    ("/generate", GENERATE.format('"temperature": 1, "sampling_seed": -1'), "sampling_seed",
+     "sampling_seed must be an integer from 0 to 2**64 - 1, got -1"),
+    ("/generate", GENERATE.format(f'"temperature": 1, "sampling_seed": {2**64}'), "sampling_seed",
+     f"sampling_seed must be an integer from 0 to 2**64 - 1, got {2**64}"),
+    ("/v1/completions", COMPLETIONS.format('"temperature": 1, "seed": -5'), "seed",
+     "seed must be an integer from 0 to 2**64 - 1, got -5"),
+    ("/v1/completions", COMPLETIONS.format(f'"temperature": 0, "seed": {2**64}'), "seed",
+     f"seed must be an integer from 0 to 2**64 - 1, got {2**64}"),
+    ("/generate", '{"text": "a\\ud800b", "sampling_params": {"temperature": 0, "max_new_tokens": 2}}', "text",
+     "text must be valid Unicode text: it holds a lone surrogate at character 1"),
+    ("/v1/completions", '{"prompt": "a\\ud800b", "temperature": 0, "max_tokens": 2}', "prompt",
+     "prompt must be valid Unicode text: it holds a lone surrogate at character 1"),
+    ("/v1/completions", '{"prompt": ["\\udfff"], "temperature": 0, "max_tokens": 2}', "prompt",
+     "prompt must be valid Unicode text: it holds a lone surrogate at character 0"),
+    ("/tokenize", '{"prompt": ["ok", "\\ud800"]}', "prompt",
+     "prompt must be valid Unicode text: it holds a lone surrogate at character 0"),
+], ids=["generate-nan", "completions-nan", "generate-infinity", "completions-1e308", "generate-0.001",
+        "completions-top-p-nan", "generate-negative-seed", "generate-seed-2**64", "completions-negative-seed",
+        "completions-seed-2**64", "generate-surrogate", "completions-surrogate", "completions-surrogate-in-a-list",
+        "tokenize-surrogate"])
+def test_values_json_reads_but_no_model_takes_are_400_naming_the_field(server, local, path, body, param, says):
+    status, answer = raw_post(server, path, body)
+    assert status == 400, answer
+    assert answer["error"] == {"message": says, "type": "BadRequestError", "param": param, "code": 400}
+    still_serves(server, local)
+
+
+def test_an_integer_too_long_for_python_is_a_400(server, local):
+    status, answer = raw_post(server, "/generate", GENERATE.format('"temperature": ' + "9" * 5000))
+    assert status == 400 and "not valid JSON" in answer["error"]["message"], answer
+    status, answer = raw_post(server, "/generate", GENERATE.format('"temperature": 1' + "0" * 400))
+    assert status == 400 and answer["error"]["param"] == "temperature", answer
+    still_serves(server, local)
+
+
+def test_two_different_content_lengths_are_a_400_and_the_connection_closes(server, local):
+    """RFC 9112, 6.3: a request whose Content-Length headers disagree cannot be framed; the server answers 400 and
+    closes the connection (what follows the first body would otherwise be read as a request of its own)."""
+    body = json.dumps({"input_ids": [5, 6, 7], "sampling_params": greedy_params(max_new_tokens=2)}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\nContent-Length: 5\r\n\r\n" % len(body) + body)
+        answer = b""
+        while chunk := s.recv(65536):  # the server closes the connection after its answer
+            answer += chunk
+    head, _, payload = answer.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 400") and "Connection: close" in head, answer
+    assert "Content-Length headers that disagree" in json.loads(payload)["error"]["message"]
+    # the same length twice frames the body as one does
+    with socket.create_connection(("127.0.0.1", server.port), timeout=TIMEOUT) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\nContent-Length: %d\r\n\r\n" % (len(body), len(body)) + body)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 200"), answer
+    still_serves(server, local)

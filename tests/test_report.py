@@ -36,6 +36,7 @@ from tests.tiny_models import first_prompts
 
 N_PROMPTS = 10
 MAX_NEW = 64
+PAIRED = ["minus the previous step (paired 95% CI)", "minus the best other (paired 95% CI)"]  # the tau table's
 
 
 class Page(HTMLParser):
@@ -146,7 +147,7 @@ def test_tau_table_lists_the_steps_in_order_and_tau_rises_with_training(report, 
     out, _, page = report
     table = page.table_after("step")
     header, rows = table[0], table[1:]
-    assert header == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", ""]  # DFlash: no selector columns
+    assert header == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", *PAIRED, ""]  # DFlash: no selector
     steps = [int(p.name.removeprefix("step_")) for p in tiny_qwen3_run.drafter_steps]
     assert [r[0] for r in rows] == [str(s) for s in steps] + ["baseline"]
     taus = [float(r[2]) for r in rows[:-1]]
@@ -198,7 +199,7 @@ def test_a_dflash2_drafter_shows_its_unary_head_and_selector(dflash2_evaluated, 
     page = Page(html.read_text())
     table = page.table_after("step")
     assert table[0] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", "unary head tau", "selector lift",
-                        ""]
+                        *PAIRED, ""]
     assert [row[5:7] for row in table[1:]] == [[f"{s['unary_tau_macro']:.3f}", f"{s['lift']:+.3f}"]
                                               for s in selectors]
     assert ("h3", "Candidate selector") in page.headings
@@ -412,7 +413,7 @@ def test_missing_steps_regressions_and_baselines(tmp_path):
     (title,) = [t for tag, t in page.headings if tag == "h2"]
     assert title == "Target-8B on mixed.jsonl, 256 new tokens (causal sliding layers)"
     table = page.table_after("step")
-    assert table[0] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", "tau, all positions", ""]
+    assert table[0] == ["step", "checkpoint", "tau macro", "95% CI", "tau pooled", "tau, all positions", *PAIRED, ""]
     assert [r[0] for r in table[1:]] == ["1000", "2000", "2500", "3000", "4000", "5000", "-", "baseline", "baseline"]
     assert [r[-1] for r in table[1:]] == ["", "", "", "", "REGRESSION", "best", "", "baseline", "baseline"]
     # baselines in the order they were scored, not by path

@@ -37,3 +37,22 @@ def test_a_series_key_is_readable_and_tells_apart_what_does_not_compare(tmp_path
     # the names only make it readable: what compares keeps its digits
     assert series_key(one, "f" * 64, "causal", None, None, "other", "x").endswith(key[-8:])
     assert len(f"series:{series_key(one, 'f' * 64, 'causal', None, None, 'a' * 100, 'b' * 100)}") <= 64
+
+
+def test_a_series_is_named_by_its_target_drafter_run_and_prompts_as_people_call_them(tmp_path):
+    from dflash_eval.reporting.history import drafter_run, readable_name
+
+    tiny = "/home/me/.cache/dflash-eval/tiny/473b798f580296e5"  # folders that say what they are, under a hash
+    assert readable_name(f"{tiny}/target") == "tiny/target"
+    assert readable_name(f"{tiny}/prompts.jsonl") == "tiny/prompts.jsonl"
+    assert drafter_run(f"{tiny}/drafter/step_100") == "tiny/drafter"
+    assert drafter_run("/runs/exp7/step_300") == "exp7" and drafter_run("http://relay:8700/run1/step_1000") == "run1"
+    assert drafter_run("/models/z-lab/Qwen3-8B-DFlash-b16") == "Qwen3-8B-DFlash-b16"  # a published drafter: its name
+    assert readable_name("math") == "math" and readable_name("/data/math.jsonl") == "math.jsonl"
+    store = Store(tmp_path)
+    key = series_key(store, "f" * 64, "causal", None, None, "tiny/target", f"{tiny}/prompts.jsonl", run="tiny/drafter")
+    assert key.startswith("tiny-target-drafter-prompts-")  # not target-prompts-<hex>: each word said once
+    key = series_key(store, "f" * 64, "causal", None, None, "Qwen/Qwen3-8B", "/data/math.jsonl", run="exp7")
+    assert key.startswith("qwen-qwen3-8b-exp7-math-")
+    # the run only names it: what compares is in the digits
+    assert key.endswith(series_key(store, "f" * 64, "causal", None, None, "Qwen/Qwen3-8B", "math")[-8:])

@@ -69,7 +69,7 @@ def test_tau_lands_in_tensorboard_at_each_training_step(evaluated):
     assert tensorboard_scalars(ours, "dflash_eval/tau_macro") == [(s, pytest.approx(taus[s])) for s in STEPS]
     low = tensorboard_scalars(ours, "dflash_eval/tau_macro_ci95_low")
     assert [v for _, v in low] == [pytest.approx(r.tau_macro_ci95[0]) for r in group.rows]
-    assert len(tensorboard_scalars(ours, "dflash_eval/acceptance_at_position/1")) == 4
+    assert len(tensorboard_scalars(ours, "dflash_eval_by_position/acceptance_at_position/1")) == 4
     assert len(tensorboard_scalars(ours, "dflash_eval/trainer_implied_acceptance")) == 4
     assert not [tag for tag in results[400]["training"]["tracker_tags"] if "selector" in tag]  # DFlash: none
     # the trainer's own event file is untouched, and ours is never read as the trainer's
@@ -142,6 +142,16 @@ def test_a_tensorboard_server_shows_the_same_scalars(evaluated):
             (r.step, pytest.approx(r.tau_macro, rel=1e-6)) for r in group.rows]
         runs = requests.get(f"http://127.0.0.1:{port}/data/runs", timeout=5).json()
         assert set(runs) == {".", "dflash-eval"}  # SpecForge's run and ours, side by side
+        # the Custom Scalars tab opens on tau beside SpecForge's simulated_acc_len: one chart, both runs
+        layout = requests.get(f"http://127.0.0.1:{port}/data/plugin/custom_scalars/layout", timeout=5).json()
+        assert layout["category"][0]["title"] == "dflash-eval: tau beside the trainer"
+        regexes = layout["category"][0]["chart"][0]["multiline"]["tag"]
+        lines = {run: requests.get(f"http://127.0.0.1:{port}/data/plugin/custom_scalars/scalars", timeout=5,
+                                   params={"run": run, "tag": "|".join(f"({r})" for r in regexes)}).json()
+                 for run in runs}
+        assert set(lines["."]["tag_to_events"]) == {"eval/simulated_acc_len"}
+        assert {"dflash_eval/tau_macro", "dflash_eval/trainer_implied_acceptance"} <= set(
+            lines["dflash-eval"]["tag_to_events"])
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -152,7 +162,7 @@ def test_all_positions_scores_add_the_teacher_forced_accuracy_beside_the_trainer
     results = evaluate(400, all_positions=True)
     accuracy = results["teacher_forced_accuracy"]
     assert len(accuracy) == 7 and all(0 <= a <= 1 for a in accuracy) and accuracy[0] > accuracy[-1]
-    scalars = tensorboard_scalars(run / "runs" / "dflash-eval", "dflash_eval/teacher_forced_accuracy/1")
+    scalars = tensorboard_scalars(run / "runs" / "dflash-eval", "dflash_eval_by_position/teacher_forced_accuracy/1")
     assert scalars == [(400, pytest.approx(accuracy[0]))]
 
 
@@ -166,8 +176,9 @@ def test_a_dflash2_drafter_s_selector_lands_in_tensorboard(dflash2_evaluated):
     steps = [results["drafter"]["step"] for results in evaluated.results]
     selectors = [stored_scores(evaluated.store, results)["selector"] for results in evaluated.results]
 
-    def points(name: str) -> list[tuple[int, float]]:
-        return tensorboard_scalars(evaluated.tensorboard, f"dflash_eval/selector/{name}")
+    def points(name: str) -> list[tuple[int, float]]:  # by draft position: in their own tag group
+        group = "dflash_eval_by_position" if name[-1].isdigit() else "dflash_eval"
+        return tensorboard_scalars(evaluated.tensorboard, f"{group}/selector/{name}")
 
     assert points("unary_tau_macro") == [(s, pytest.approx(x["unary_tau_macro"])) for s, x in zip(steps, selectors)]
     assert points("lift") == [(s, pytest.approx(x["lift"])) for s, x in zip(steps, selectors)]

@@ -8,8 +8,13 @@ their formats by hand.
 
 import argparse
 import json
+import logging
 import random
+import shutil
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -117,6 +122,92 @@ def test_our_own_tensorboard_run_is_never_read_as_the_trainers(tmp_path):
     with SummaryWriter(str(tmp_path / "runs" / "dflash-eval"), filename_suffix=TRACKER_SUFFIX) as writer:
         writer.add_scalar("dflash_eval/tau_macro", 3.0, 100)
     assert not any(name.startswith("dflash_eval") for name in read_training_log(tmp_path).scalars)
+
+
+# ------------------------------------------------------------------ TensorBoard's reader says nothing to us
+
+SPECULATORS_LOGS = Path(__file__).parent / "golden" / "speculators" / "dflash" / "logs"  # its real event files
+
+
+def readers_lines(records) -> list[str]:
+    return [f"{r.name}: {r.getMessage()}" for r in records if r.name.split(".")[0] in ("tensorboard", "absl")]
+
+
+def test_reading_a_log_logs_nothing_of_tensorboards_reader_and_only_while_reading(tmp_path, caplog):
+    """TensorBoard's reader logs a dozen DEBUG and INFO lines per event file ("Loading events from", "No path
+    found after", "Directory watcher advancing from"): none reaches a handler, even with everything at DEBUG;
+    damage is still reported as a problem; the reader's logger is as it was once the read is over."""
+    write_run(tmp_path)  # SpecForge's tracker: one event file in runs/
+    shutil.copytree(SPECULATORS_LOGS, tmp_path / "logs")  # speculators': two files in one folder
+    reader = logging.getLogger("tensorboard")
+    before = (reader.level, list(reader.filters), list(reader.handlers), reader.propagate)
+    caplog.set_level(logging.DEBUG)
+    caplog.clear()
+    log = read_training_log(tmp_path)
+    assert log.problems == [] and "train/acc" in log.scalars and "val/eal_epoch" in log.scalars
+    assert readers_lines(caplog.records) == []
+
+    (events,) = (tmp_path / "runs").glob("events.out.tfevents.*")
+    events.write_bytes(events.read_bytes()[:-40])  # cut short: the reader says so at DEBUG only
+    assert any("cut short" in p for p in read_training_log(tmp_path).problems)
+    assert readers_lines(caplog.records) == []
+
+    assert (reader.level, reader.filters, reader.handlers, reader.propagate) == before
+    reader.debug("after the read")  # the user's logging config holds for the rest of the process
+    assert readers_lines(caplog.records) == ["tensorboard: after the read"]
+
+
+def test_logs_read_at_once_by_several_threads_each_report_their_damage(tmp_path):
+    """Prefect may run flows in threads: each read still catches what the reader says about its own files,
+    and the reader's logger is left as it was."""
+    import threading
+
+    folders = []
+    for i in range(6):
+        shutil.copytree(SPECULATORS_LOGS, tmp_path / f"run{i}" / "logs")
+        first = sorted((tmp_path / f"run{i}" / "logs" / "dflash").glob("events.out.tfevents.*"))[0]
+        first.write_bytes(first.read_bytes()[:-40])
+        folders.append(tmp_path / f"run{i}")
+    problems: dict = {}
+    threads = [threading.Thread(target=lambda f=f: problems.__setitem__(f, read_training_log(f).problems))
+               for f in folders]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(any("cut short" in p for p in problems[f]) for f in folders), problems
+    reader = logging.getLogger("tensorboard")
+    assert reader.level == logging.NOTSET and reader.filters == []
+
+
+def test_reading_a_log_prints_nothing_to_a_console_on_the_root_logger(tmp_path, capsys):
+    """As Prefect configures logging (a console handler on the root logger, which stays at WARNING): nothing
+    of the reader's on the console."""
+    write_run(tmp_path)
+    root, console = logging.getLogger(), logging.StreamHandler(sys.stderr)
+    level = root.level
+    root.addHandler(console)
+    root.setLevel(logging.WARNING)
+    try:
+        capsys.readouterr()
+        read_training_log(tmp_path)
+    finally:
+        root.removeHandler(console)
+        root.setLevel(level)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_reading_a_log_under_prefects_logging_prints_nothing(tmp_path):
+    """Prefect's own logging setup, in a process of its own: its console shows none of the reader's lines."""
+    shutil.copytree(SPECULATORS_LOGS, tmp_path / "logs")
+    script = ("import sys\nfrom prefect.logging.configuration import setup_logging\nsetup_logging()\n"
+              "from dflash_eval.reporting.training_log import read_training_log\n"
+              "log = read_training_log(sys.argv[1])\nprint(len(log.scalars), log.problems)")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "34 []"
+    assert "tensorboard" not in done.stderr and "events" not in done.stderr, done.stderr
 
 
 # ------------------------------------------------------------------ the alarm, on rows built here

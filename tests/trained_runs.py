@@ -30,8 +30,17 @@ PLANTED = ("planted:clean", "planted:leaked_block", "planted:shifted_label", "pl
 
 
 def trained_run(name: str) -> TinyRun:
-    """The trained run `name` (a key of RUNS), built first if the cache lacks it."""
-    return tiny_run(default_cache_root(), RUNS[name])
+    """The trained run `name` (a key of RUNS), built first if the cache lacks it, on one thread: trained weights
+    depend on the thread count (a target trained on 2 threads differs from one trained on 1), and every other
+    builder of these runs (the builders below, `demo`) trains on one, so whoever builds a run first builds the same."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return tiny_run(default_cache_root(), RUNS[name])
+    finally:
+        torch.set_num_threads(threads)
 
 
 def build(jobs: list[str]) -> None:

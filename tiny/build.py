@@ -6,15 +6,23 @@
     out/target_vlm/           (arch "qwen3_5" only) the same text weights wrapped as
                               Qwen3_5ForConditionalGeneration with a tiny vision tower
     out/drafter/step_N/       drafter checkpoints in the published format, as a training run saves them
+    out/drafter/runs/         the drafter trainer's TensorBoard log, as SpecForge's tracker writes it: train/loss,
+                              train/acc, train/acc_<k> every 10 steps, eval/avg_loss, eval/avg_acc and
+                              eval/simulated_acc_len on the held-out prompts at each save (training.py)
     out/prompts.jsonl         held-out eval prompts: {"id", "category", "input_ids", "decoded"}
-    out/build.json            settings, content key, timings, tau per saved step
+    out/build.json            settings, content key, timings, tau per saved step (written last)
 
 `tiny_run(cache_root, settings)` returns a finished build from the cache, keyed by a hash of the
-builder's code and settings, or builds it (into a temporary folder renamed into place when done,
-so an interrupted build never looks finished).
+builder's code and settings, or builds it in place under a lock: a folder is a finished build once its
+build.json is there (written last, atomically), so an interrupted build never looks finished, and its
+saves keep the paths they are evaluated under while the drafter still trains (`demo` evaluates each one
+as it is written: `on_save`).
 
 Both take `log` (a line per finished step) and `progress` (how far the long steps are: training the
-target, its greedy references, training the drafter, scoring the saved steps; see training.Progress).
+target, its greedy references, training the drafter, scoring the saved steps; see training.Progress),
+`on_save` (told each drafter save's folder once written, while training goes on) and `drafter_compute`
+(a context entered around the drafter's training in the building thread: `demo` leases it one thread there,
+so that the saves are evaluated on the other cores meanwhile).
 """
 
 import fcntl
@@ -26,7 +34,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -45,6 +53,7 @@ from . import training as drafter_training
 from .training import DrafterTrainingSettings, Progress, train_drafter
 
 BUILD_RECORD = "build.json"
+TRAINER_LOG = "runs"  # under the drafter's run folder, where SpecForge's tracker writes its TensorBoard log
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,11 @@ class TinyRun:
     @property
     def prompts_file(self) -> Path:
         return self.root / "prompts.jsonl"
+
+    @property
+    def drafter_run(self) -> Path:
+        """The drafter's training run folder: its saves and the trainer's log (TRAINER_LOG)."""
+        return self.root / "drafter"
 
 
 def tiny_run_key(settings: TinyBuildSettings) -> str:
@@ -170,7 +184,9 @@ def tau_of(drafter_dir: Path, target: Target, references, feats, sliding_semanti
 
 
 def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(),
-               log: Callable[[str], None] | None = print, progress: Progress | None = None) -> TinyRun:
+               log: Callable[[str], None] | None = print, progress: Progress | None = None,
+               on_save: Callable[[Path], None] | None = None,
+               drafter_compute: Callable[[], AbstractContextManager] | None = None) -> TinyRun:
     """Train the tiny target and a drafter run into `out` (see the module docstring)."""
     log = log or (lambda message: None)
     progress = progress or (lambda what, done, total: None)
@@ -206,11 +222,19 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
     eval_feats = extract_features(target, [r.token_ids for r in eval_refs], settings.layer_ids)
     timings["references_and_features"] = time.perf_counter() - t
     log(f"references + features: {len(train_refs)} train, {len(eval_refs)} eval, {timings['references_and_features']:.0f} s")
+    with open(out / "prompts.jsonl", "w") as f:  # before the first save: its evaluation reads them
+        for i, p in enumerate(eval_prompts):
+            # "decoded" is for people reading the file; the prompt is input_ids (other fields are ignored)
+            f.write(json.dumps({"id": f"tiny-{i:03d}", "category": "code", "input_ids": p,
+                                "decoded": tokenizer.decode(p)}) + "\n")
 
     t = time.perf_counter()
     raw = tiny_drafter_config(settings, target, mask_token_id)
-    saved = train_drafter(raw, target.embed_weight, target.head_weight, train_refs, train_feats,
-                          out / "drafter", settings.drafter_training, log=log, progress=progress)
+    with (drafter_compute or nullcontext)():
+        saved = train_drafter(raw, target.embed_weight, target.head_weight, train_refs, train_feats,
+                              out / "drafter", settings.drafter_training, log=log, progress=progress,
+                              log_dir=out / "drafter" / TRAINER_LOG, held_out=(eval_refs, eval_feats),
+                              on_save=on_save)
     timings["drafter"] = time.perf_counter() - t
 
     taus: dict[str, float] = {}
@@ -221,17 +245,14 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
     for name, tau in taus.items():
         log(f"{name}: tau {tau:.2f} (block {settings.block_size}, {len(eval_refs)} held-out prompts)")
 
-    with open(out / "prompts.jsonl", "w") as f:
-        for i, p in enumerate(eval_prompts):
-            # "decoded" is for people reading the file; the prompt is input_ids (other fields are ignored)
-            f.write(json.dumps({"id": f"tiny-{i:03d}", "category": "code", "input_ids": p,
-                                "decoded": tokenizer.decode(p)}) + "\n")
     record = {
         "key": tiny_run_key(settings), "settings": asdict(settings), "corpus_sha256": corpus_sha256,
         "target": asdict(stats), "steps": [int(p.name.removeprefix("step_")) for p in saved],
         "tau": taus, "timings_s": {k: round(v, 1) for k, v in timings.items()},
     }
-    (out / BUILD_RECORD).write_text(json.dumps(record, indent=2))
+    partial = out / f".{BUILD_RECORD}.partial"  # whole or absent: a reader never finds half a record
+    partial.write_text(json.dumps(record, indent=2))
+    os.replace(partial, out / BUILD_RECORD)
     return TinyRun(out, record)
 
 
@@ -240,18 +261,23 @@ def default_cache_root() -> Path:
     return Path(os.environ.get("DFLASH_TINY_CACHE") or Path.home() / ".cache" / "dflash-eval" / "tiny")
 
 
+def tiny_run_folder(cache_root: str | Path, settings: TinyBuildSettings = TinyBuildSettings()) -> Path:
+    """Where the build for these settings is (or will be) under cache_root."""
+    return Path(cache_root) / tiny_run_key(settings)
+
+
 def tiny_run(cache_root: str | Path, settings: TinyBuildSettings = TinyBuildSettings(),
-             log: Callable[[str], None] | None = print, progress: Progress | None = None) -> TinyRun:
-    """The cached build for these settings under cache_root/<key>, built first if missing."""
-    final = Path(cache_root) / tiny_run_key(settings)
+             log: Callable[[str], None] | None = print, progress: Progress | None = None,
+             on_save: Callable[[Path], None] | None = None,
+             drafter_compute: Callable[[], AbstractContextManager] | None = None) -> TinyRun:
+    """The cached build for these settings under cache_root/<key>, built first (in place: the module docstring)
+    if missing; on_save and drafter_compute: as build_tiny's, used only when it builds."""
+    final = tiny_run_folder(cache_root, settings)
     if not (final / BUILD_RECORD).exists():
         with building(final):  # another process building the same run: wait for it, then use its build
             if not (final / BUILD_RECORD).exists():
-                partial = final.with_name(f"{final.name}.partial-{os.getpid()}")
-                shutil.rmtree(partial, ignore_errors=True)
-                build_tiny(partial, settings, log, progress)
-                shutil.rmtree(final, ignore_errors=True)  # a folder without its record is no build
-                partial.rename(final)
+                shutil.rmtree(final, ignore_errors=True)  # a folder without its record is no build: start again
+                build_tiny(final, settings, log, progress, on_save, drafter_compute)
     return TinyRun(final, json.loads((final / BUILD_RECORD).read_text()))
 
 

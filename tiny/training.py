@@ -19,6 +19,12 @@ log folder, logs what SpecForge's trainer logs, under its names, with TensorBoar
 `train/acc` and per draft position `train/acc_<k>` (teacher-forced: the argmax at block position k + 1
 against its label, whatever the positions before it did; for DFlash2 too the head's argmax, not the selector's
 choice, as the trainers log it), and for DFlash2 `train/selector_acc` (the selector's choice, teacher-forced).
+Given held-out references too, at every save it logs what SpecForge's evaluator logs for a DFlash run
+(specforge/eval/evaluator.py, a scalar strategy): `eval/avg_loss`, `eval/avg_acc` (the teacher-forced accuracy
+over every drafted position of the held-out blocks) and `eval/simulated_acc_len` (for DFlash SpecForge logs that
+same accuracy under this name; its CheckpointManager ranks saves by it). The log is flushed before each save is
+handed on (`on_save`), so whoever evaluates the save reads what the trainer knew then. Logging changes no weight:
+the held-out blocks are drawn with a generator of their own, without gradients.
 
 For the tests of the train/eval alarm and the diagnostics only, `planted_bug` trains with one of the
 bugs the seed project had (PLANTED_BUGS); the published recipe has none.
@@ -46,6 +52,7 @@ PLANTED_BUGS = {
 }
 
 LOG_EVERY = 10  # steps between logged training scalars
+EVAL_SEED_OFFSET = 1  # the held-out blocks' anchors: a generator seeded settings.seed + this, the same at every save
 SELECTOR_LOSS_WEIGHT = 1.0  # DFlash2: the selector's loss added to the head's with this weight
 
 Progress = Callable[[str, int, int], None]
@@ -183,6 +190,8 @@ def train_drafter(
     progress: Progress | None = None,
     log_dir: str | Path | None = None,
     label_tokens: Sequence[torch.Tensor] | None = None,
+    held_out: tuple[Sequence[Reference], Sequence[torch.Tensor]] | None = None,
+    on_save: Callable[[Path], None] | None = None,
 ) -> list[Path]:
     """Train a drafter with `raw_config` (a DFlash config.json dict) and save step_N checkpoints.
 
@@ -190,6 +199,8 @@ def train_drafter(
     Returns the saved checkpoint directories in step order. `progress` is told each step done. log_dir:
     where TensorBoard scalars go (the module docstring), every LOG_EVERY steps; None: none. label_tokens (tests
     only): per reference, what each position is trained to predict instead of the reference's own token.
+    held_out: (references, their features) the eval scalars are computed on at each save (with log_dir).
+    on_save: told each save's folder once it is written (and the log flushed), while training goes on.
     """
     drafter = init_drafter(raw_config, settings.seed, sliding_semantics).train()
     embed = embed_weight.detach().float()
@@ -212,7 +223,8 @@ def train_drafter(
     if log_dir is not None:
         from torch.utils.tensorboard import SummaryWriter
 
-        writer = SummaryWriter(str(log_dir))
+        # written out at each save (flush) and at the end only: a reader between saves finds whole records
+        writer = SummaryWriter(str(log_dir), max_queue=100_000, flush_secs=24 * 3600)
     window = torch.zeros(3, drafter.block_size - 1)  # (correct, labelled, selector correct) per position since the last log
     saved, started, running = [], time.perf_counter(), None
     for step in range(1, settings.steps + 1):
@@ -244,8 +256,38 @@ def train_drafter(
             path = out_dir / f"step_{step}"
             save_drafter(drafter, path)
             saved.append(path)
+            if writer is not None and held_out is not None:
+                for name, value in held_out_scalars(drafter, embed, head, *held_out, settings).items():
+                    writer.add_scalar(name, value, step)
+            if writer is not None:
+                writer.flush()
             if log:
                 log(f"drafter step {step}: loss {running:.3f} ({time.perf_counter() - started:.0f} s) -> {path}")
+            if on_save:
+                on_save(path)
     if writer is not None:
         writer.close()
     return saved
+
+
+@torch.no_grad()
+def held_out_scalars(drafter, embed, head, references: Sequence[Reference], features: Sequence[torch.Tensor],
+                     settings: DrafterTrainingSettings) -> dict[str, float]:
+    """What SpecForge's evaluator logs for a DFlash run (the module docstring), on blocks anchored as in training
+    (settings.anchors_per_sequence per reference, settings.sequences_per_step references per batch), the same
+    anchors at every save."""
+    generator = torch.Generator().manual_seed(settings.seed + EVAL_SEED_OFFSET)
+    usable = [i for i, r in enumerate(references) if len(r.token_ids) - 1 > r.prompt_len]
+    loss_sum, batches, correct, labelled = 0.0, 0, 0.0, 0.0
+    for first in range(0, len(usable), settings.sequences_per_step):
+        pick = usable[first: first + settings.sequences_per_step]
+        loss, right, counted, _ = block_loss(
+            drafter, embed, head, [torch.as_tensor(list(references[i].token_ids)) for i in pick],
+            [features[i].float() for i in pick], [references[i].prompt_len for i in pick],
+            settings.anchors_per_sequence, settings.loss_decay_gamma, generator)
+        loss_sum, batches = loss_sum + loss.item(), batches + 1
+        correct, labelled = correct + float(right.sum()), labelled + float(counted.sum())
+    if not batches:
+        return {}
+    accuracy = correct / max(labelled, 1.0)
+    return {"eval/avg_loss": loss_sum / batches, "eval/avg_acc": accuracy, "eval/simulated_acc_len": accuracy}

@@ -55,6 +55,8 @@ def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> lis
         checked = [check_evaluation(evaluation, flag_name) for evaluation in evaluations]
     except explained as e:
         fail(str(e))
+    for note in dict.fromkeys(filter(None, (_new_series_note(c) for c in checked))):
+        typer.secho(note, err=True, fg="yellow")
     start_local_server()  # after the checks: bad input costs no server start-up
     found: list[dict | None] = []
     for inputs in checked:
@@ -76,6 +78,22 @@ def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> lis
                 raise
             fail(storage_full_message(e, open_store(evaluation.output.store)))
     return found
+
+
+def _new_series_note(checked) -> str | None:
+    """The line saying that this evaluation starts a new series beside one differing in one setting only
+    (reporting.new_series), when its references are made here (not given, and a stage that needs them runs)."""
+    from dflash_eval.reporting.new_series import new_series_note, this_run
+    from dflash_eval.storage import Store
+
+    e, served = checked.evaluation, checked.served
+    if e.inputs.references is not None or not checked.runs("references"):
+        return None
+    sampling = None if served.sampling.greedy else {**served.sampling.identity(), "samples": served.samples,
+                                                    "seed": served.seed}
+    ours = this_run(e.inputs.max_new_tokens, e.generation.lookahead,
+                    checked.dtype.name if e.generation.reference == "local" else None, sampling, e.inputs.protocol)
+    return new_series_note(Store(checked.store_location), str(e.inputs.target), e.inputs.prompt_set, ours)
 
 
 def _say_where_the_run_is(flow_run_id) -> None:
@@ -173,8 +191,59 @@ def _print_results(results: dict) -> None:
         b = results["baseline"]
         console.print(f"baseline {b['source']}: tau macro {b['tau_macro']:.3f} "
                       f"(95% CI {b['tau_macro_ci95'][0]:.2f}-{b['tau_macro_ci95'][1]:.2f})")
+    if results.get("comparisons"):
+        _print_comparisons(console, results["comparisons"])
+    if results.get("training"):
+        _print_training(console, results["training"], results["tau_macro"])
     if "diagnostics" in results:
         _print_diagnostics(console, results["diagnostics"])
+
+
+# how the command line names what a comparison is against (results' `comparisons`: reporting.history.comparisons)
+AGAINST = {"baseline": "baseline", "previous step": "previous step", "best": "best other"}
+
+
+def _print_comparisons(console, compared: list[dict]) -> None:
+    """This checkpoint's tau minus the baseline's, the previous step's and the best other checkpoint's, each with
+    the 95% interval of the per-reference difference: two checkpoints' own intervals overlap where the paired one
+    may lie wholly on one side of 0. One line per other checkpoint, named by every role it holds."""
+    lines: list[tuple[list[str], dict]] = []
+    for c in compared:
+        same = next((names for names, first in lines if first["checkpoint_key"] == c["checkpoint_key"]), None)
+        if same is None:
+            lines.append(([AGAINST.get(c["against"], c["against"])], c))
+        else:
+            same.append(AGAINST.get(c["against"], c["against"]))
+    console.print("paired differences: this checkpoint's tau macro minus another's, with the 95% CI of the "
+                  "per-reference difference", markup=False, soft_wrap=True)
+    for names, c in lines:
+        ci = c["difference_ci95"]
+        step = "" if c["step"] is None else f"step {c['step']}, "
+        verdict = ("" if ci is None else "; better" if ci[0] > 0 else "; worse" if ci[1] < 0 else
+                   "; no difference shown")
+        console.print(f"  {', '.join(names)}: {c['checkpoint']} ({step}tau macro {c['tau_macro']:.3f}): "
+                      f"{c['difference']:+.3f}" + ("" if ci is None else f" (paired 95% CI {ci[0]:+.3f} to "
+                                                   f"{ci[1]:+.3f})") + verdict, markup=False, soft_wrap=True)
+
+
+def _print_training(console, training: dict, tau: float) -> None:
+    """The training run beside this step (results' `training`: reporting.tracker.track, add_history): the trainer's
+    own number as logged and what its numbers imply, beside tau; the alarm's flags, or what its checks found."""
+    if not training.get("log"):
+        return
+    console.print(f"training log {training['log']}", markup=False, soft_wrap=True)
+    point, logged = training.get("at_step"), training.get("trainer_logged")
+    said = [f"tau macro {tau:.3f}"]
+    if logged:
+        said.append(f"the trainer logged {logged['tag']} {logged['value']:.3f}")
+    if point and point.get("implied") is not None:
+        said.append(f"its numbers imply an acceptance length of {point['implied']:.2f} (from {point['implied_from']})")
+    if point and len(said) > 1:
+        console.print(f"at step {point['step']}: " + "; ".join(said), markup=False, soft_wrap=True)
+    for flag in training["flags"]:
+        console.print(f"{flag['kind'].upper()} (step {flag['step']}): {flag['message']}", markup=False, soft_wrap=True)
+    if training.get("no_flag"):
+        console.print(training["no_flag"], markup=False, soft_wrap=True)
 
 
 def _print_benchmarks(console, block: dict) -> None:
@@ -306,8 +375,11 @@ ResultsOut = Annotated[Path | None, typer.Option(
     "be; checked before any work).")]
 
 
-@app.command(epilog=example("dflash-eval run --target runs/tiny/target", "--drafter runs/tiny/drafter/step_400",
-                            "--prompts runs/tiny/prompts.jsonl --out results.json"))
+@app.command(epilog=example("dflash-eval run --target TINY/target --drafter TINY/drafter",
+                            "--prompts TINY/prompts.jsonl --out results")
+              + "\n\nTINY stands for the tiny run's folder: `dflash-eval demo` prints it (tiny run: ...), `dflash-eval "
+                "tiny build --out TINY` makes one. --drafter TINY/drafter evaluates each of its saves; "
+                "TINY/drafter/step_400 one of them.")
 @settings_options()
 def run(
     drafter: Drafters, settings: Settings, out: ResultsOut = None,
@@ -341,10 +413,17 @@ def demo(
                                              "if need be).")] = None,
     threads: Threads = None,
 ):
-    """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved
-    step through the full flow, print tau per step. No server, no GPU, no downloads."""
+    """The embedded default: build (or reuse) the tiny target and drafter run, evaluate every saved step through
+    the full flow, print tau per step beside what the drafter's trainer logged, and where to look next. A first
+    demo evaluates each save as the drafter's training writes it, as a served flow follows a training run: the
+    first tau shows while the drafter still trains. No server, no GPU, no downloads."""
+    import queue
+    import threading
+    import time
+
     from dflash_eval.flows.checks import InputError, check_out
-    from dflash_eval.tiny.build import default_cache_root, tiny_run
+    from dflash_eval.tasks.threads import thread_budget
+    from dflash_eval.tiny.build import BUILD_RECORD, TinyRun, default_cache_root, tiny_run, tiny_run_folder
 
     from .tiny import BuildProgress
 
@@ -352,27 +431,124 @@ def demo(
         check_out(out, folder=True)
     except InputError as e:
         fail(str(e))
+    started = time.monotonic()
     configure_threads(threads)  # before a first demo trains the tiny models
     # Prefect's temporary server starts meanwhile: its first start after an install takes a while (a minute on a
     # busy machine) and would otherwise come after the training; the first evaluation waits for it.
     start_local_server(wait=False)
-    with BuildProgress() as progress:
-        tiny = tiny_run(default_cache_root(), log=typer.echo, progress=progress)
-    typer.echo(f"tiny run: {tiny.root}")
-    rows = []
-    for checkpoint in tiny.drafter_steps:
+    settings = demo_build_settings()
+    folder = tiny_run_folder(default_cache_root(), settings)
+    typer.echo(f"tiny run: {folder}" + ("" if (folder / BUILD_RECORD).exists() else
+                                        " (building it; each drafter save is evaluated as soon as it is written)"))
+    # What the building thread hands over: each drafter save once written (a Path), then the finished run (TinyRun),
+    # or what stopped it (an exception). A cached run hands over only itself.
+    handed: queue.Queue[Path | TinyRun | BaseException] = queue.Queue()
+    budget = thread_budget()
+    rows: list[tuple[str, dict]] = []
+    first_tau: float | None = None
+
+    def build(progress: BuildProgress) -> None:
+        try:
+            # Threads, deliberately: the build computes on one thread leased from the command's budget, the target
+            # and the drafter alike. One, because trained weights depend on the thread count (float sums taken in
+            # another order: a target trained on 2 threads differs from one trained on 1, and tau at step_400 with
+            # it), and the test suite's parallel builds (tests/trained_runs.py) and README's figures are made on
+            # one: every machine builds the same run. It costs time on idle cores (2 threads trained the target in
+            # 78 s instead of 128 s on 2 idle cores). The drafter's lease (drafter_compute) holds that one thread
+            # while the evaluations of its saves lease the rest of the budget (on 2 cores: one each). The saves are
+            # evaluated with no settle wait: this thread says when each is written, as a trainer's `notify` does.
+            with budget.lease(1):
+                handed.put(tiny_run(default_cache_root(), settings, log=typer.echo, progress=progress,
+                                    on_save=handed.put, drafter_compute=lambda: budget.lease(1)))
+        except BaseException as e:  # noqa: BLE001 - said by the thread that prints
+            handed.put(e)
+
+    def evaluate_save(checkpoint: Path) -> None:
+        nonlocal first_tau
+        root = checkpoint.parent.parent  # <tiny run>/drafter/step_N
         try:
             evaluation = Evaluation.checked(by_group({
-                "target": str(tiny.target_dir), "drafter": str(checkpoint), "prompts": str(tiny.prompts_file),
-                "max_new_tokens": tiny.record["settings"]["max_new_tokens"], "store": store, "dtype": "float32",
-                "threads": threads}), flag_name)
+                "target": str(root / "target"), "drafter": str(checkpoint), "prompts": str(root / "prompts.jsonl"),
+                "max_new_tokens": settings.max_new_tokens, "store": store, "dtype": "float32", "threads": threads,
+                "settle_seconds": 0}), flag_name)
         except SettingsError as e:
             fail(str(e))
         results = evaluate(evaluation)
         _print_results(results)
         write_results(results, out / f"{checkpoint.name}.json" if out else None)
         rows.append((checkpoint.name, results))
-    typer.echo("\nstep        tau macro  tau pooled  ran")
+        elapsed = time.monotonic() - started
+        first_tau = elapsed if first_tau is None else first_tau
+        typer.echo(f"{checkpoint.name}: tau macro {results['tau_macro']:.3f}, {elapsed:.0f} s into the demo")
+
+    with BuildProgress() as progress:
+        threading.Thread(target=build, args=(progress,), name="tiny build", daemon=True).start()
+        while not isinstance(item := handed.get(), TinyRun):
+            if isinstance(item, BaseException):
+                raise item
+            # a save the drafter's training just wrote, evaluated while the training goes on
+            last = item.name == f"step_{settings.drafter_training.steps}"
+            typer.echo(f"{item.name} written {time.monotonic() - started:.0f} s into the demo: evaluating it"
+                       + (" (the drafter's last save)" if last else " while the drafter trains on"))
+            evaluate_save(item)
+    tiny = item
+    for checkpoint in tiny.drafter_steps:  # those not handed over while they were written (all, when cached)
+        if checkpoint.name not in {name for name, _ in rows}:
+            evaluate_save(checkpoint)
+    _print_demo_table(rows)
+    _print_next_steps(tiny, rows, store)
+    assert first_tau is not None  # the run has saves
+    typer.echo(f"demo: first tau {first_tau:.0f} s after the start, the last {time.monotonic() - started:.0f} s")
+
+
+def demo_build_settings():
+    """The tiny run `demo` builds or reuses: dflash_eval.tiny.build.TinyBuildSettings' defaults (tests give smaller
+    ones)."""
+    from dflash_eval.tiny.build import TinyBuildSettings
+
+    return TinyBuildSettings()
+
+
+def _print_demo_table(rows: list[tuple[str, dict]]) -> None:
+    """tau per step, beside what the drafter's trainer logged at that step (its held-out teacher-forced accuracy,
+    the acceptance length its per-position accuracies imply), and the train/eval alarm's flags."""
+    typer.echo("\nstep        tau macro     95% CI  tau pooled  trainer eval acc  trainer implies  ran")
     for name, results in rows:
+        at = (results.get("training") or {}).get("at_step") or {}
+        accuracy = at.get("eval_accuracy") if at.get("eval_accuracy") is not None else at.get("accuracy")
+        implied = at.get("implied")
+        low, high = results["tau_macro_ci95"]
         ran = ", ".join(s for s, status in results["stages"].items() if status == "ran") or "nothing (all cached)"
-        typer.echo(f"{name:<10}  {results['tau_macro']:9.3f}  {results['tau_pooled']:10.3f}  {ran}")
+        typer.echo(f"{name:<10}  {results['tau_macro']:9.3f}  {f'{low:.2f}-{high:.2f}':>9}  {results['tau_pooled']:10.3f}  "
+                   f"{'-' if accuracy is None else f'{accuracy:.3f}':>16}  "
+                   f"{'-' if implied is None else f'{implied:.2f}':>15}  {ran}")
+    training = rows[-1][1].get("training") or {}  # the last evaluation's view of the whole run
+    if training.get("log"):
+        for flag in training.get("flags", []):
+            typer.echo(f"{flag['kind'].upper()} (step {flag['step']}): {flag['message']}")
+        if not training.get("flags"):
+            typer.echo("the trainer's log and tau agree: no alarm (a best step by the trainer that is not the best by "
+                       "tau, accuracy rising while tau does not, or a train/eval gap would be flagged here)")
+    for problem in training.get("problems", []):
+        typer.echo(f"warning: {problem}")
+
+
+def _print_next_steps(tiny, rows: list[tuple[str, dict]], store: str | None) -> None:
+    """Where the results are and what to run next: the store's report, history, and TensorBoard over the tiny run's
+    training log (the trainer's scalars and ours, tau by step)."""
+    import shlex
+
+    from dflash_eval.tiny.build import TRAINER_LOG
+
+    opened = open_store(store)
+    training = rows[-1][1].get("training") or {}
+    logs = Path(training["tensorboard"]).parent if training.get("tensorboard") else tiny.drafter_run / TRAINER_LOG
+    named = store if store is not None else opened.location if opened.remote else os.path.relpath(opened.location)
+    store_option = shlex.quote(named)
+    typer.echo("\nnext:")
+    typer.echo(f"  the report (every checkpoint in the store, plots):  {(opened.root / 'report' / 'report.html').resolve()}")
+    typer.echo(f"  tau by step, the best step, the alarm:              dflash-eval history --store {store_option}")
+    typer.echo(f"  tau beside the trainer's own log, in TensorBoard:   tensorboard --logdir {shlex.quote(str(logs))}")
+    typer.echo(f"  the run's saves, by hand:                           dflash-eval run --target "
+               f"{shlex.quote(str(tiny.target_dir))} --drafter {shlex.quote(str(tiny.drafter_run))} --prompts "
+               f"{shlex.quote(str(tiny.prompts_file))} --store {store_option}")

@@ -30,13 +30,16 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     """Tau of every scored checkpoint in the store, by training step (checkpoints without one by when they
     were first scored, never by path), with the best one and regressions (a 95% interval entirely below the
     best earlier step's; a checkpoint without a step is never flagged: its place among the steps is unknown).
-    Where the training run's log is found, what the trainer's numbers imply beside tau, and the alarm's flags
-    (the trainer's best is not the best by tau, training accuracy rising while tau does not, a train/eval gap).
-    For DFlash2 drafters, the tau of their unary head alone and what their candidate selector adds to it."""
+    Where the training run's log is found, the trainer's own number as logged (a column named by its tag, e.g.
+    `trainer eval/simulated_acc_len`) and what the trainer's numbers imply beside tau, and the alarm's flags (the
+    trainer's best is not the best by tau, training accuracy rising while tau does not, a train/eval gap), or,
+    where none is raised, what each check found. For DFlash2 drafters, the tau of their unary head alone and what
+    their candidate selector adds to it. Baselines (--baseline) are rows of their own, except a save of a training
+    run of the series, which stays a step of the curve."""
     from rich.console import Console
     from rich.table import Table
 
-    from dflash_eval.reporting.training_side import side_of, training_sides
+    from dflash_eval.reporting.training_side import logged_column, side_of, training_sides
 
     opened = open_existing_store(store)
     groups = history_telling_what_is_left_out(opened)
@@ -51,11 +54,12 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
         sides = training_sides(group, relay_logs(group, training_log))
         selector = any(row.unary_tau_macro is not None for row in group.rows)  # DFlash2 checkpoints among them
         table = Table(title=group.title)
+        logged_header, logged_cells = logged_column(sides, group.rows)  # the trainer's own number, as logged
         for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled",
                        *(("unary head", "lift") if selector else ()), "first scored (UTC)", "",
-                       *(("trainer implies", "flags") if sides else ())):
+                       *((logged_header, "trainer implies", "flags") if sides else ())):
             table.add_column(column)
-        for row in group.rows:
+        for index, row in enumerate(group.rows):
             ci = row.tau_macro_ci95
             step = "-" if row.step is None else str(row.step)
             scored = f"{row.scored_at:%Y-%m-%d %H:%M:%S}" if row.scored_at else "-"
@@ -68,22 +72,27 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
             if sides:
                 side = side_of(sides, row)
                 implied = side.implied(row) if side else None
-                cells += [f"{implied[0]:.2f}" if implied else "-",
+                cells += [logged_cells[index], f"{implied[0]:.2f}" if implied else "-",
                           ", ".join(f.kind for f in side.flags_at(row.step)) if side else ""]
             table.add_row(*cells)
         console.print(table)
         for side in sides:
             for flag in side.flags:
                 console.print(f"{flag.kind.upper()} (step {flag.step}): {flag.message}", markup=False)
+            if not side.flags:
+                console.print(side.no_flag_line(), markup=False)
             for problem in side.log.problems:
                 console.print(f"warning: {problem}", markup=False)
 
 
 def history_json(store, groups: list, training_log: str | None) -> dict:
-    """What `history` shows, for scripts: {"store", "series": [{"key", "title", "setting", "rows": [...]}]}, each row
-    with its step, checkpoint, tau and interval, its verdict (a DFlash2 drafter's: its unary head's tau and the
-    selector's lift) and, where the training log is found, what the trainer's numbers imply and the alarm's flags at
-    that step."""
+    """What `history` shows, for scripts: {"store", "series": [{"key", "title", "setting", "rows": [...], "flags",
+    "checks"}]}, each row with its step, checkpoint, tau and interval, its verdict (a DFlash2 drafter's: its unary
+    head's tau and the selector's lift), its paired difference to the previous step and to the best other checkpoint
+    (`vs_previous_step`, `vs_best`: reporting.history.comparisons, or null) and, where the training log is found,
+    the trainer's own number as logged (`trainer_logged`: {"tag", "value"}), what the trainer's numbers imply and
+    the alarm's flags at that step; the series' `checks`: what each check of the alarm found, per training run."""
+    from dflash_eval.reporting.history import BASELINE, BEST, PREVIOUS_STEP, comparisons
     from dflash_eval.reporting.training_side import side_of, training_sides
 
     series = []
@@ -93,6 +102,8 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
         for row in group.rows:
             side = side_of(sides, row)
             implied = side.implied(row) if side else None
+            logged = side.logged(row) if side else None
+            against = {c.against: c.as_dict() for c in comparisons(group, row) if c.against != BASELINE}
             rows.append({
                 "series": group.series, "step": row.step, "checkpoint": row.label, "source": row.source,
                 "checkpoint_key": row.checkpoint, "scores_key": row.scores, "tau_macro": row.tau_macro,
@@ -100,6 +111,8 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
                 "tau_pooled": row.tau_pooled, "all_positions_tau": row.all_positions_tau,
                 "first_scored": row.scored_at.isoformat() if row.scored_at else None, "baseline": row.baseline,
                 "best": row.best, "regression": row.regression,
+                "vs_previous_step": against.get(PREVIOUS_STEP), "vs_best": against.get(BEST),
+                "trainer_logged": {"tag": logged[0], "value": logged[1]} if logged else None,
                 "trainer_implies": implied[0] if implied else None,
                 "flags": [f.kind for f in side.flags_at(row.step)] if side else [],
                 # DFlash2 drafters only: other rows stay as they were
@@ -110,7 +123,8 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
                        "sliding_semantics": group.sliding_semantics, "chosen_block_size": group.chosen_block_size,
                        "features_key": group.features, "rows": rows,
                        "flags": [{"kind": f.kind, "step": f.step, "message": f.message}
-                                 for side in sides for f in side.flags]})
+                                 for side in sides for f in side.flags],
+                       "checks": [{"log": side.log.folder, **c.as_dict()} for side in sides for c in side.checks]})
     return {"store": store.location, "series": series}
 
 

@@ -1,6 +1,8 @@
-"""`tiny build`: the tiny trained target and drafter run (demo, tests, smoke tests); BuildProgress draws how far
+"""`tiny build`: the tiny trained target and drafter run (demo, tests, smoke tests); BuildProgress shows how far
 a build is (here and in `demo`)."""
 
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Self
@@ -16,13 +18,19 @@ if TYPE_CHECKING:
 app = typer.Typer(help="The tiny trained target and drafter run (demo, tests, smoke tests).", no_args_is_help=True)
 
 
-class BuildProgress:
-    """Progress bars for the long steps of a tiny build (the `progress` that dflash_eval.tiny.build takes): one
-    bar per step, added when the step starts and kept when it is done. Used as a context manager around the
-    build; on a terminal the bars move and the build's log lines print above them, elsewhere (a log file) the
-    finished bars print once at the end. Nothing shows when the build is cached."""
+PLAIN_EVERY_SECONDS = 10.0  # off a terminal: a progress line per step at most this often (and at its start and end)
 
-    def __init__(self) -> None:
+
+class BuildProgress:
+    """How far the long steps of a tiny build are (the `progress` that dflash_eval.tiny.build takes). Used as a
+    context manager around the build. On a terminal: a progress bar per step, added when the step starts and kept
+    when it is done, the build's log lines printed above them. Elsewhere (a log file, a CI job, a pipe): plain
+    lines, one when a step starts, one at most every `every_seconds` while it runs and one when it is done, each
+    with the step's count, share, time so far and time left, so that a log never looks hung. Nothing shows when
+    the build is cached. Safe to call from the thread that builds while another prints (`demo`)."""
+
+    def __init__(self, every_seconds: float = PLAIN_EVERY_SECONDS, terminal: bool | None = None) -> None:
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -32,22 +40,43 @@ class BuildProgress:
             TimeRemainingColumn,
         )
 
+        self.terminal = Console().is_terminal if terminal is None else terminal
+        self.every_seconds = every_seconds
         self._bars = Progress(TextColumn("{task.description:<20}"), BarColumn(), MofNCompleteColumn(),
                               TimeElapsedColumn(), TextColumn("left"), TimeRemainingColumn())
         self._steps: dict[str, TaskID] = {}  # step -> its bar
+        self._lines: dict[str, tuple[float, float]] = {}  # off a terminal: step -> (its start, its last line)
+        self._lock = threading.Lock()
 
     def __enter__(self) -> Self:
-        self._bars.start()
+        if self.terminal:
+            self._bars.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._bars.stop()
+        if self.terminal:
+            self._bars.stop()
 
     def __call__(self, step: str, done: int, total: int) -> None:
         """`done` of `total` units of `step` are done."""
+        if not self.terminal:
+            self._line(step, done, total)
+            return
         if step not in self._steps:
             self._steps[step] = self._bars.add_task(step, total=total)
         self._bars.update(self._steps[step], completed=done, total=total)
+
+    def _line(self, step: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        with self._lock:
+            started, last = self._lines.get(step, (now, None))
+            if last is not None and done < total and now - last < self.every_seconds:
+                return
+            self._lines[step] = (started, now)
+        took = now - started
+        left = f", about {took / done * (total - done):.0f} s left" if 0 < done < total and took > 0 else ""
+        share = f" ({done / total:.0%})" if total else ""
+        typer.echo(f"{step}: {done}/{total}{share} after {took:.0f} s{left}" + (", done" if done >= total else ""))
 
 
 @app.command("build", epilog=example("dflash-eval tiny build --out runs/tiny"))

@@ -23,7 +23,9 @@ SGLang's); unknown paths 404. `openai_style="sglang"` answers `/v1/completions` 
 the default is vLLM's. With `api_key` it checks the key as SGLang does (constant-time),
 before anything else: a refused request is neither routed nor counted in `requests_served`.
 It does not stream or batch; parameters that would change the output and that it does not
-implement (stop strings, penalties, n > 1, grammars, ...) get 400 rather than being ignored. Stops
+implement (stop strings, penalties, n > 1, grammars, ...) get 400 rather than being ignored, and so do
+values Python's json reads but no model takes (NaN, Infinity, a lone surrogate, a seed outside 64 bits, a
+temperature outside dflash_core.sampling's range), naming the field. Stops
 are the target config's eos ids (what local greedy runs use); real servers also stop on the
 tokenizer's eos id, which is normally among them. Text prompts are encoded with the served tokenizer
 (which `tokenizer_dir` may make a different one from the target's). Logprobs come from one
@@ -40,6 +42,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -78,6 +81,7 @@ MAX_CONNECTIONS = 64
 REQUEST_SECONDS = 30.0
 MAX_BODY_BYTES = 8 << 20  # a prompt of a million tokens as ids is ~7 MB of JSON
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+SEED_LIMIT = 2**64  # a seed is 64 bits unsigned: 0 .. 2**64 - 1 (torch.Generator.manual_seed fails above)
 
 class ReferenceServer(BackgroundServer):
     """Serves `target_dir`'s completions (greedy or sampled) over HTTP (see the module docstring).
@@ -164,7 +168,14 @@ class ReferenceServer(BackgroundServer):
             raise ValueError(f"unknown fault {fault!r}: use one of {FAULTS}")
         return fault
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def _encode(self, text: str, name: str, add_special_tokens: bool = True) -> list[int]:
+        """`text` (the request's field `name`) as token ids; 400 for a lone surrogate ("\\ud800" in JSON, which
+        Python's json reads), which no tokenizer takes."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise RequestError(f"{name} must be valid Unicode text: it holds a lone surrogate at character {e.start}",
+                               param=name) from None
         with self._tokenizer_lock:
             return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
@@ -266,14 +277,14 @@ class ReferenceServer(BackgroundServer):
         prompt = body.get("prompt")
         add_special = read_flag(body, "add_special_tokens", True)
         if isinstance(prompt, str):
-            tokens = self._encode(prompt, add_special)
+            tokens = self._encode(prompt, "prompt", add_special)
             result: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": self._max_model_len()}
             if read_flag(body, "return_token_strs", False):
                 with self._tokenizer_lock:
                     result["token_strs"] = self.tokenizer.convert_ids_to_tokens(tokens)
             return result
         if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-            token_lists = [self._encode(p, add_special) for p in prompt]
+            token_lists = [self._encode(p, "prompt", add_special) for p in prompt]
             return {"tokens": token_lists, "count": [len(t) for t in token_lists],
                     "max_model_len": self._max_model_len()}
         raise RequestError("prompt must be a string or a non-empty list of strings", param="prompt")
@@ -300,7 +311,7 @@ class ReferenceServer(BackgroundServer):
             raise RequestError("sampling_params must be an object", param="sampling_params")
         check_supported(body)
         check_supported(params)
-        sampling, seed = read_sampling(params, "sampling_seed")
+        sampling, seed = _read_sampling(params, "sampling_seed")
         max_new = read_max_tokens(params.get("max_new_tokens"), "max_new_tokens", 128)
         stop_ids = read_stop_token_ids(params.get("stop_token_ids"))
         ignore_eos = read_flag(params, "ignore_eos", False)
@@ -308,7 +319,7 @@ class ReferenceServer(BackgroundServer):
         no_stop_trim = read_flag(params, "no_stop_trim", False)
         return_logprob = read_flag(body, "return_logprob", False)
         text_in_logprobs = read_flag(body, "return_text_in_logprobs", False)
-        prompt_ids = (self._encode(text) if text is not None
+        prompt_ids = (self._encode(text, "text") if text is not None
                       else self._in_vocabulary(read_token_ids(input_ids, "input_ids"), "input_ids"))
 
         start = time.monotonic()
@@ -347,14 +358,14 @@ class ReferenceServer(BackgroundServer):
         """OpenAI /v1/completions as vLLM serves it, one prompt."""
         self._check_model(body.get("model"))
         check_supported(body)
-        sampling, seed = read_sampling(body, "seed")
+        sampling, seed = _read_sampling(body, "seed")
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt must not be empty", param="prompt")
-            prompt_ids = self._encode(prompt, read_flag(body, "add_special_tokens", True))
+            prompt_ids = self._encode(prompt, "prompt", read_flag(body, "add_special_tokens", True))
         elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
             prompt_ids = self._in_vocabulary(list(prompt), "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
@@ -425,6 +436,32 @@ class ReferenceServer(BackgroundServer):
             offset += len(tokens[-1])
         return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens,
                 "top_logprobs": top_logprobs}
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer too large for a float
+        return False
+
+
+def _read_sampling(params: dict, seed_field: str) -> tuple[Sampling, int | None]:
+    """request_fields.read_sampling, with 400s for what would otherwise fail later (a 500): a sampling number that is
+    not finite (JSON's NaN and Infinity, which Python's json reads, or an integer too large for a float), a seed
+    outside 64 bits, a temperature outside Sampling's range (0, or 0.01 to 2: dflash_core.sampling says why)."""
+    for name in ("temperature", "top_p", "min_p"):
+        value = params.get(name)
+        if isinstance(value, (int, float)) and not _finite(value):  # (a bool is finite; read_sampling refuses it)
+            shown = json.dumps(value) if isinstance(value, float) else "an integer too large for a float"
+            raise RequestError(f"{name} must be a finite number{' >= 0' if name == 'temperature' else ''}, got {shown}",
+                               param=name)
+    seed = params.get(seed_field)
+    if isinstance(seed, int) and not 0 <= seed < SEED_LIMIT:
+        raise RequestError(f"{seed_field} must be an integer from 0 to 2**64 - 1, got {seed}", param=seed_field)
+    try:
+        return read_sampling(params, seed_field)
+    except ValueError as e:  # the one bound read_sampling leaves to Sampling (its others are checked first)
+        raise RequestError(str(e), param="temperature") from None
 
 
 class _Handler(DeadlineRequestHandler):
@@ -520,7 +557,7 @@ class _Handler(DeadlineRequestHandler):
         try:
             try:
                 body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer of more than 4300 digits
                 raise RequestError(f"request body is not valid JSON: {e}") from None
             except RecursionError:
                 raise RequestError("request body is nested too deeply") from None

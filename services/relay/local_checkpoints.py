@@ -18,6 +18,7 @@ from dflash_core.checkpoint_files import (
     NotACheckpoint,
     checkpoint_files,
     not_ready,
+    saves_beneath,
     training_step,
 )
 from dflash_eval.services.http_server import ErrorResponse
@@ -106,7 +107,9 @@ class LocalCheckpoints:
         except CheckpointBroken as e:
             raise ErrorResponse(422, f"checkpoint {path} is broken: {e}; the trainer's save did not complete") from e
         except NotACheckpoint as e:
-            raise ErrorResponse(404, f"no checkpoint {path}: the folder holds no drafter weights ({WEIGHT_FILE_NAMES})") from e
+            inner = saves_beneath(directory, self.settle_seconds, "the relay's --settle-seconds")
+            raise ErrorResponse(404, f"no checkpoint {path}: the folder holds no drafter weights ({WEIGHT_FILE_NAMES})"
+                                + (f"; {inner}" if inner else "")) from e
         except FileNotFoundError:
             return None
         if pending is not None:
