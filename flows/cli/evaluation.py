@@ -526,9 +526,8 @@ def _print_demo_table(rows: list[tuple[str, dict]]) -> None:
     if training.get("log"):
         for flag in training.get("flags", []):
             typer.echo(f"{flag['kind'].upper()} (step {flag['step']}): {flag['message']}")
-        if not training.get("flags"):
-            typer.echo("the trainer's log and tau agree: no alarm (a best step by the trainer that is not the best by "
-                       "tau, accuracy rising while tau does not, or a train/eval gap would be flagged here)")
+        if not training.get("flags") and training.get("no_flag"):
+            typer.echo(training["no_flag"])  # what each of the alarm's checks found, with its numbers
     for problem in training.get("problems", []):
         typer.echo(f"warning: {problem}")
 
@@ -551,4 +550,5 @@ def _print_next_steps(tiny, rows: list[tuple[str, dict]], store: str | None) -> 
     typer.echo(f"  tau beside the trainer's own log, in TensorBoard:   tensorboard --logdir {shlex.quote(str(logs))}")
     typer.echo(f"  the run's saves, by hand:                           dflash-eval run --target "
                f"{shlex.quote(str(tiny.target_dir))} --drafter {shlex.quote(str(tiny.drafter_run))} --prompts "
-               f"{shlex.quote(str(tiny.prompts_file))} --store {store_option}")
+               f"{shlex.quote(str(tiny.prompts_file))} --max-new-tokens {tiny.record['settings']['max_new_tokens']} "
+               f"--store {store_option}")
