@@ -378,7 +378,7 @@ BAD_INPUTS = {
     "unknown dtype": (lambda t, tiny: {"--dtype": "float16"}, "--dtype must be one of auto, float32, bfloat16"),
     "target saved without its head": (lambda t, tiny: {"--target": str(_headless_target(t, tiny))},
                                       "under model.* and no lm_head.weight"),
-    "negative temperature": (lambda t, tiny: {"--temperature": "-0.5"}, "--temperature must be at least 0, got -0.5"),
+    "negative temperature": (lambda t, tiny: {"--temperature": "-0.5"}, "--temperature must lie in [0, 2], got -0.5"),
     "top-p of 0": (lambda t, tiny: {"--temperature": "0.6", "--top-p": "0"}, "--top-p must lie in (0, 1], got 0.0"),
     "top-p above 1": (lambda t, tiny: {"--temperature": "0.6", "--top-p": "1.5"}, "--top-p must lie in (0, 1]"),
     "negative top-k": (lambda t, tiny: {"--temperature": "0.6", "--top-k": "-1"}, "--top-k must be at least 0, got -1"),

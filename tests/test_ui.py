@@ -128,7 +128,8 @@ def test_other_settings_and_another_store_are_series_of_their_own(series, tmp_pa
     mine = series["runs"][step.name][1]
     keys = {r["series"]["key"] for r in (mine, shorter, elsewhere)}
     assert len(keys) == 3, keys
-    assert all(key.startswith("target-held-out-") for key in keys)  # readable, then what tells them apart
+    # readable (the tiny run's target, drafter run and prompts, each word once), then what tells them apart
+    assert all(key.startswith("tiny-target-drafter-held-out-") for key in keys), keys
     with get_client(sync_client=True) as client:
         tagged = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(
             all_=[f"series:{mine['series']['key']}"])))
