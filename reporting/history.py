@@ -393,9 +393,10 @@ def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_bl
         blocks = "" if served.default else f", {served.label}"
         title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
         return title + blocks, title, f"features {features_key[:12]}" + blocks, ("features", features_key[:12])
-    # --name, else the Hub id (model_name), else the telling part of its path; older entries: from the path
+    # --name, else the Hub id (model_name), else its folder's name (what the entry recorded; older entries: from the
+    # path); a folder named only for what it is (`target`) by the telling part of its path
     named = references.target_name or model_name(references.target or "target")
-    target = named if references.target_name or "/" in named else readable_name(references.target or named)
+    target = named if "/" in named or _telling(named) else readable_name(references.target or named)
     prompts = readable_name(references.prompts) or "prompts"
     if references.benchmarks:  # published benchmarks: by which protocol (two protocols are two series)
         prompts += f" ({references.benchmarks['protocol']})"
