@@ -54,7 +54,8 @@ def test_a_run_folder_is_each_of_its_checkpoints_in_step_order_with_the_results_
     assert f"{len(steps)} finished checkpoints, in step order: {', '.join(steps)}" in result.output
     together = {p.stem: json.loads(p.read_text()) for p in (root / "out").glob("*.json")}
     assert sorted(together) == sorted(steps)
-    table = result.output[result.output.index("checkpoint "):].splitlines()[1:]
+    table = result.output[result.output.index("\ncheckpoint ") + 1:].splitlines()[1:]  # the closing table's header
+    assert table, result.output
     assert [line.split()[0] for line in table] == steps  # the closing table, in step order
     for step in (steps[0], steps[-1]):  # the same acceptance lengths as a run of that checkpoint alone
         alone = CliRunner().invoke(app, run_command(tiny_qwen3_run, run_folder, [run_folder["run"] / step],
