@@ -405,7 +405,7 @@ def step_from_name(name: str) -> int | None:
 
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # Org/Name, never a path like ./x/y
-_COMMIT = re.compile(r"[0-9a-f]{10,64}")
+COMMIT_HASH = re.compile(r"[0-9a-f]{10,64}")  # a folder named by a commit (a hub cache snapshot)
 
 
 def model_name(target_dir: str) -> str:
@@ -423,6 +423,6 @@ def model_name(target_dir: str) -> str:
     for part in reversed(path.parts):
         if part.startswith("models--"):
             return part.removeprefix("models--").replace("--", "/", 1)
-    if _COMMIT.fullmatch(path.name) and path.parent.name:
+    if COMMIT_HASH.fullmatch(path.name) and path.parent.name:
         return path.parent.name
     return path.name or str(target_dir)

@@ -351,14 +351,15 @@ def benchmark_summary(prompts: Sequence[PromptScore], groups: dict[str, str], dr
     scored = {name: [p for p in prompts if p.category == name and p.acceptance_lengths] for name in groups}
     scored = {name: ps for name, ps in scored.items() if ps}
     taus = {name: tau_macro(ps) for name, ps in scored.items()}
-    benchmarks = {name: {"tau": taus[name], "ci95": bootstrap_interval(ps, tau_macro, draws, seed),
-                         "responses": len(ps)} for name, ps in scored.items()}
+    # each benchmark's bootstrap draws, once: its own interval, and (the same draw across benchmarks) its groups'
     rng = random.Random(seed)
+    draws_by_name = {name: [tau_macro(_two_levels(by_prompt(ps), rng)) for _ in range(draws)]
+                     for name, ps in scored.items()}
+    benchmarks = {name: {"tau": taus[name], "ci95": _percentiles(draws_by_name[name], 0.95), "responses": len(ps)}
+                  for name, ps in scored.items()}
     grouped: dict[str, list[str]] = {}
     for name in scored:
         grouped.setdefault(groups[name], []).append(name)
-    units = {name: by_prompt(ps) for name, ps in scored.items()}
-    draws_by_name = {name: [tau_macro(_two_levels(units[name], rng)) for _ in range(draws)] for name in scored}
     averages = {}
     for group, names in grouped.items():
         means = [sum(draws_by_name[n][d] for n in names) / len(names) for d in range(draws)]

@@ -37,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from dflash_core.checkpoint_files import model_name, step_from_name
+from dflash_core.checkpoint_files import COMMIT_HASH, model_name, step_from_name
 from dflash_core.metrics import paired_difference_interval
 from dflash_core.sampling import Served
 from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, canonical_json, key_of, read_json
@@ -326,12 +326,11 @@ def find_group(groups: list[Group], scores_key: str) -> tuple[Group, HistoryRow]
 GENERIC_NAMES = frozenset({"target", "targets", "model", "models", "drafter", "drafters", "checkpoint", "checkpoints",
                            "run", "runs", "out", "output", "outputs", "prompts", "eval", "evals", "data", "snapshots",
                            "hf", "export", "exports", "final", "latest", "best", "main"})
-_HASH = re.compile(r"[0-9a-f]{10,64}")
 SERIES_NAME = 48  # characters: `series:<name>-<8 hex>` is a tag, at most 64
 
 
 def _telling(part: str) -> bool:
-    return bool(part) and part.lower() not in GENERIC_NAMES and not _HASH.fullmatch(part) and not part.startswith(".")
+    return bool(part) and part.lower() not in GENERIC_NAMES and not COMMIT_HASH.fullmatch(part) and not part.startswith(".")
 
 
 def readable_name(path: str) -> str:
@@ -377,17 +376,24 @@ def series_key(store: Store, features_key: str, sliding_semantics: str, chosen_b
     return f"{name or 'series'}-{identity}"
 
 
+def references_of(store: Store, features_key: str) -> ReferencesRecord | None:
+    """The record of the references a features entry was extracted from (records only, no files read); None when
+    either entry is gone."""
+    try:
+        features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, features_key, verify=False,
+                                                                discard_damaged=False))
+        return ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references, verify=False,
+                                                              discard_damaged=False))
+    except (EntryMissing, KeyError):
+        return None
+
+
 def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None,
               draft_sampling: str | None) -> tuple[str, str, str, tuple[str, str]]:
     """A group's (title, sweep title, setting, names): the title for people, that title without the block size, how
     the target is served (dflash_core.sampling.Served's label), and what people call its target and prompt set."""
-    try:
-        # a title only: records, no files read
-        features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, features_key, verify=False,
-                                                                discard_damaged=False))
-        references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
-                                                                    verify=False, discard_damaged=False))
-    except (EntryMissing, KeyError):
+    references = references_of(store, features_key)
+    if references is None:
         served = Served.from_record(None, block_size=chosen_block_size,
                                     draft_sampling=None if draft_sampling is None else json.loads(draft_sampling))
         blocks = "" if served.default else f", {served.label}"

@@ -57,7 +57,16 @@ from dflash_eval.reporting.benchmarks import (
     markdown_strong,
     reasoning_of,
 )
-from dflash_eval.reporting.history import BEST, PREVIOUS_STEP, Comparison, Group, HistoryRow, comparisons, history
+from dflash_eval.reporting.history import (
+    BEST,
+    PREVIOUS_STEP,
+    Comparison,
+    Group,
+    HistoryRow,
+    comparisons,
+    history,
+    references_of,
+)
 from dflash_eval.reporting.plots import (
     ablation_plot,
     acceptance_plot,
@@ -76,7 +85,6 @@ from dflash_eval.storage.schema import (
     DIAGNOSTICS_FILE,
     DiagnosticsRecord,
     DraftsRecord,
-    FeaturesRecord,
     ReferencesRecord,
     Stage,
 )
@@ -407,14 +415,8 @@ def _paired_cells(group: Group, row: HistoryRow) -> tuple[str, str]:
 def _published_references(store: Store, group: Group) -> ReferencesRecord | None:
     """The references record of a group on published benchmarks (its `benchmarks`: the protocol, template arguments
     and each benchmark's use); None for other prompts, or when the records are gone."""
-    try:  # records only, as reporting.history reads them for the titles
-        features = FeaturesRecord.from_record(store.read_record(Stage.FEATURES, group.features, verify=False,
-                                                                discard_damaged=False))
-        references = ReferencesRecord.from_record(store.read_record(Stage.REFERENCES, features.references,
-                                                                    verify=False, discard_damaged=False))
-    except (EntryMissing, KeyError):
-        return None
-    return references if references.benchmarks else None
+    references = references_of(store, group.features)
+    return references if references is not None and references.benchmarks else None
 
 
 def _benchmark_table(references: ReferencesRecord, group: Group, row: HistoryRow, scores: dict) -> BenchmarkTable | None:

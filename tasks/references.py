@@ -112,10 +112,10 @@ class PromptSet:
     benchmarks: BenchmarkPromptSet | None = None
 
 
-def load_prompts(choice: PromptChoice, target_dir: str) -> PromptSet:
-    """Read the prompt set with the target's tokenizer: a suite or file (PromptError naming the file and line)
-    or published benchmarks (BenchmarkError naming the dataset)."""
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+def load_prompts(choice: PromptChoice, target_dir: str, tokenizer=None) -> PromptSet:
+    """Read the prompt set with the target's tokenizer (loaded unless given): a suite or file (PromptError naming the
+    file and line) or published benchmarks (BenchmarkError naming the dataset)."""
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(target_dir)
     config = read_target_config(target_dir)
     names = benchmark_names(choice.prompts)
     if names is None:
@@ -261,7 +261,7 @@ def generate_references(
     if given is not None:
         return store_given_references(given, target_dir, store, choice.thinking, refresh, target_name)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    prompt_set = load_prompts(choice, target_dir)
+    prompt_set = load_prompts(choice, target_dir, tokenizer)
     prompts, stop_ids, thinking = prompt_set.prompts, prompt_set.stop_token_ids, choice.thinking
     # the prompts' ids, chat format and stop ids are keyed already; the protocol keeps its series apart
     benchmarks = prompt_set.benchmarks.to_json() if prompt_set.benchmarks else None

@@ -22,49 +22,10 @@ PAPER_SOURCE = "z-lab/dflash README at bb48ef9 (B200, transformers backend)"
 
 
 @dataclass(frozen=True)
-class PublishedTau:
-    """One published tau and the setting it was measured in."""
-
-    target: str  # the Hub repository's name, without its organisation
-    drafter: str
-    benchmark: str
-    tau: float
-    temperature: float
-    top_p: float
-    top_k: int
-    block_size: int
-    protocol: str
-    max_new_tokens: int
-    reasoning: str | None  # as --reasoning names it; None: thinking off (the zlab protocols)
-    prompts: int | None  # the rows measured (the subset's size)
-    source: str
-
-
-PUBLISHED: tuple[PublishedTau, ...] = (
-    *(PublishedTau(target, drafter, name, tau, temperature, 1.0, 0, 16, "zlab-2026-01", 2048, None, None,
-                   PAPER_SOURCE)
-      for (target, drafter, temperature), taus in _PAPER_TABLE.items() for name, tau in zip(_PAPER_COLUMNS, taus)),
-    # the model card's README command: `dflash benchmark openai` with 128 prompts, concurrency 1
-    PublishedTau("Qwen3.8-27B", "Qwen3.8-27B-DFlash2", "gsm8k", 5.46, 1.0, 0.95, 20, 8, "dflash-0.1", 4096, "xhigh",
-                 128, "Qwen3.8-27B-DFlash2 model card (quoted in xLLM #2279)"),
-)
-
-
-def _drafts(entry: PublishedTau) -> str:
-    """How the published run drew its drafts, as --draft-sample-method names it."""
-    from .protocols import PROTOCOLS
-    return "probabilistic" if entry.temperature > 0 and PROTOCOLS[entry.protocol].sampled_drafts else "greedy"
-
-
-def _short(name: str | None) -> str:
-    return (name or "").rstrip("/").rsplit("/", 1)[-1].lower()
-
-
-@dataclass(frozen=True)
 class Setting:
-    """What our run measured, to be set beside a published setting."""
+    """What a tau was measured in: the pair, the served setting and the protocol (ours, or a published run's)."""
 
-    target: str | None  # the target's name (its Hub id where known)
+    target: str | None  # the target's name (its Hub id where known; a published one's without its organisation)
     drafter: str | None  # the drafter's
     temperature: float
     top_p: float
@@ -72,24 +33,63 @@ class Setting:
     block_size: int
     protocol: str
     max_new_tokens: int
-    reasoning: str | None
+    reasoning: str | None  # as --reasoning names it; None: thinking off (the zlab protocols)
     draft_sample_method: str = "greedy"
+
+
+# how a difference of setting is said, by field: "block size 8, published 16"
+_SAID = {"protocol": "protocol", "top_p": "top-p", "top_k": "top-k", "block_size": "block size",
+         "max_new_tokens": "max new tokens", "reasoning": "reasoning", "draft_sample_method": "drafts"}
+
+
+@dataclass(frozen=True)
+class PublishedTau:
+    """One published tau and the setting it was measured in."""
+
+    benchmark: str
+    tau: float
+    setting: Setting
+    prompts: int | None  # the rows measured (the subset's size)
+    source: str
+
+
+def _published(target: str, drafter: str, temperature: float, top_p: float, top_k: int, block_size: int,
+               protocol: str, max_new_tokens: int, reasoning: str | None) -> Setting:
+    """A published run's setting, its drafts drawn as its protocol draws them at its temperature."""
+    from .protocols import PROTOCOLS
+    sampled = temperature > 0 and PROTOCOLS[protocol].sampled_drafts
+    return Setting(target, drafter, temperature, top_p, top_k, block_size, protocol, max_new_tokens, reasoning,
+                   "probabilistic" if sampled else "greedy")
+
+
+PUBLISHED: tuple[PublishedTau, ...] = (
+    *(PublishedTau(name, tau, _published(target, drafter, temperature, 1.0, 0, 16, "zlab-2026-01", 2048, None), None,
+                   PAPER_SOURCE)
+      for (target, drafter, temperature), taus in _PAPER_TABLE.items() for name, tau in zip(_PAPER_COLUMNS, taus)),
+    # the model card's README command: `dflash benchmark openai` with 128 prompts, concurrency 1
+    PublishedTau("gsm8k", 5.46, _published("Qwen3.8-27B", "Qwen3.8-27B-DFlash2", 1.0, 0.95, 20, 8, "dflash-0.1", 4096,
+                                           "xhigh"), 128, "Qwen3.8-27B-DFlash2 model card (quoted in xLLM #2279)"),
+)
+
+
+def _short(name: str | None) -> str:
+    return (name or "").rstrip("/").rsplit("/", 1)[-1].lower()
+
+
+def _said(name: str, value) -> object:
+    return value or "off" if name == "reasoning" else value
 
 
 def published_for(benchmark: str, setting: Setting) -> tuple[PublishedTau, list[str]] | None:
     """The published tau for this benchmark, target, drafter and temperature, with what else differs from its
     setting (each a short phrase, e.g. "block size 8, published 16"); None when none was published."""
     for entry in PUBLISHED:
-        if (entry.benchmark == benchmark and _short(setting.target) == entry.target.lower()
-                and _short(setting.drafter) == entry.drafter.lower() and setting.temperature == entry.temperature):
-            differs = [f"{what} {ours}, published {theirs}" for what, ours, theirs in (
-                ("protocol", setting.protocol, entry.protocol),
-                ("top-p", setting.top_p, entry.top_p), ("top-k", setting.top_k, entry.top_k),
-                ("block size", setting.block_size, entry.block_size),
-                ("max new tokens", setting.max_new_tokens, entry.max_new_tokens),
-                ("reasoning", setting.reasoning or "off", entry.reasoning or "off"),
-                ("drafts", setting.draft_sample_method, _drafts(entry)),
-            ) if ours != theirs]
+        theirs = entry.setting
+        if (entry.benchmark == benchmark and _short(setting.target) == _short(theirs.target)
+                and _short(setting.drafter) == _short(theirs.drafter) and setting.temperature == theirs.temperature):
+            differs = [f"{said} {_said(name, getattr(setting, name))}, published {_said(name, getattr(theirs, name))}"
+                       for name, said in _SAID.items()
+                       if _said(name, getattr(setting, name)) != _said(name, getattr(theirs, name))]
             return entry, differs
     return None
 
@@ -98,8 +98,9 @@ def compare(tau: float, ci95: tuple[float, float] | list[float], entry: Publishe
     """Ours beside the published value: the gap (ours minus published) and whether it lies beyond our 95% CI."""
     low, high = ci95
     beyond = not low <= entry.tau <= high
-    return {"tau": entry.tau, "source": entry.source, "protocol": entry.protocol, "temperature": entry.temperature,
-            "prompts": entry.prompts, "gap": tau - entry.tau, "beyond_ci": beyond, "differs": differs}
+    return {"tau": entry.tau, "source": entry.source, "protocol": entry.setting.protocol,
+            "temperature": entry.setting.temperature, "prompts": entry.prompts, "gap": tau - entry.tau,
+            "beyond_ci": beyond, "differs": differs}
 
 
 def beside_published(by_benchmark: dict, prompt_set: dict, setting: Setting) -> dict:
@@ -121,7 +122,7 @@ def beside_published(by_benchmark: dict, prompt_set: dict, setting: Setting) -> 
         if found := published_for(name, setting):
             entry, differs = found
             if not uses[name]["protocol_subset"]:
-                differs = [*differs, f"rows: not the {entry.protocol} subset"]
+                differs = [*differs, f"rows: not the {entry.setting.protocol} subset"]
             row["published"] = compare(ours["tau"], ours["ci95"], entry, differs)
         rows.append(row)
     groups = {}

@@ -38,21 +38,19 @@ def prompts(
 ):
     """Show what a run with these options feeds the target: each prompt's id, benchmark or category, messages,
     templated text and token ids, with the protocol, the stop ids and where each benchmark's rows came from."""
+    from pydantic import ValidationError
+
     from dflash_core.prompts import PromptError
     from dflash_core.published.benchmarks import BenchmarkError, benchmark_names, read_data_option
     from dflash_core.published.prompt_set import benchmark_conversations
-    from dflash_eval.flows.settings import Inputs, SettingsError, settings_error
+    from dflash_eval.flows.settings import Inputs, SettingsError, flag_name, settings_error
 
-    try:
+    try:  # the rules `run` checks (a protocol with a suite, --thinking with benchmarks): one line naming each option
         checked = Inputs.model_validate({"target": target or ".", "prompts": name, "protocol": protocol,
                                          "data": data, "max_samples": max_samples, "reasoning": reasoning,
                                          "thinking": thinking})
-    except Exception as e:  # pydantic's ValidationError: one line naming each option
-        from pydantic import ValidationError
-
-        if not isinstance(e, ValidationError):
-            raise
-        fail(settings_error(e, lambda field: "--" + field.replace("_", "-")))
+    except ValidationError as e:
+        fail(settings_error(e, flag_name))
     try:
         names = benchmark_names(name)
         if target is None:
@@ -83,7 +81,7 @@ def _templated(name: str, target: str, inputs) -> dict:
     except InputError as e:
         fail(str(e))
     tokenizer = AutoTokenizer.from_pretrained(target)
-    prompt_set = load_prompts(prompt_choice(inputs), target)
+    prompt_set = load_prompts(prompt_choice(inputs), target, tokenizer)
     shown: dict = {"prompts_option": name, "stop_token_ids": prompt_set.stop_token_ids}
     if prompt_set.benchmarks is not None:
         shown.update(prompt_set.benchmarks.to_json())
