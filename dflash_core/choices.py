@@ -16,5 +16,10 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 AUTO_DTYPE = "auto"
 STAGE_DTYPE_NAMES = ("float32", "bfloat16")
 
+# The attention implementation of the target's text model (--attn-implementation; dflash_core.target.choose_attention):
+# "auto" is SDPA where its class takes it, else eager (gpt-oss: attention sinks have no SDPA path).
+ATTENTION_CHOICES = ("auto", "sdpa", "eager")
+DEFAULT_ATTENTION = "sdpa"  # what every target ran with before the choice existed: keys leave it out (tasks/target.py)
+
 # Prompts the drafts stage replays together (one replay group; on a Dask cluster, one shard).
 DEFAULT_REPLAY_GROUP = 64

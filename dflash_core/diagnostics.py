@@ -139,18 +139,12 @@ def agreement_counts(
     return counts
 
 
-def findings(tau: float, ablated: dict[int, float], noise_tau: float | None, num_target_layers: int,
+def findings(tau: float, ablated: dict[int, float], noise_tau: float | None,
              agreement: dict[str, list[int]] | None = None) -> list[dict]:
     """What the diagnostics say about how the drafter was trained, each {"kind", "message"}: tau unmodified,
     {layer id: tau with it zeroed}, tau with noise for every feature, agreement_counts (module docstring)."""
     found = []
     gain = tau - 1
-    last = num_target_layers - 1
-    if last in ablated:
-        found.append({"kind": "reads the target's last layer", "message": (
-            f"the drafter reads target layer {last}, the last one, whose output the target's head turns into the "
-            "next token: a drafter trained on it can copy the answer instead of drafting (the fc shortcut "
-            "through the target's own output layer)")})
     if gain >= 0.05:  # below it there is nothing left to lose
         kept = {i: (t - 1) / gain for i, t in ablated.items()}
         collapsed = [i for i, share in kept.items() if share < COLLAPSE]

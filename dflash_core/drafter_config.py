@@ -88,19 +88,16 @@ EXTRA_MODULE_FIELDS = {
 IGNORED_FIELDS = {
     "model_type": "the architecture decides the forward pass, and every weight is checked by name and shape",
     "auto_map": "remote code is never run",
-    "dtype": "the caller chooses the compute dtype (load_drafter(dtype=...))",
-    "torch_dtype": "the caller chooses the compute dtype (load_drafter(dtype=...))",
+    **dict.fromkeys(("dtype", "torch_dtype"), "the caller chooses the compute dtype (load_drafter(dtype=...))"),
     "tie_word_embeddings": "the drafter has no embedding or head: the target's are used",
-    "bos_token_id": "the references decide where sequences start and stop",
-    "eos_token_id": "the references decide where sequences start and stop",
-    "pad_token_id": "the references decide where sequences start and stop",
+    **dict.fromkeys(("bos_token_id", "eos_token_id", "pad_token_id"),
+                    "the references decide where sequences start and stop"),
     "attention_dropout": "dropout is off at inference",
     "initializer_range": "used only to initialise training",
     "use_cache": "inference plumbing: the context keys/values are computed once per sequence anyway",
     "transformers_version": "provenance",
     "_name_or_path": "provenance",
-    "step": "the training step (dflash-eval history reads it)",
-    "global_step": "the training step (dflash-eval history reads it)",
+    **dict.fromkeys(("step", "global_step"), "the training step (dflash-eval history reads it)"),
 }
 
 
@@ -293,8 +290,14 @@ def check_compatible(cfg: DrafterConfig, hidden_size: int, vocab_size: int, num_
         return
     bad = [i for i in cfg.target_layer_ids if i >= num_layers]
     if bad:
-        raise DrafterError(f"drafter target_layer_ids {list(cfg.target_layer_ids)} include {bad}, but the target has "
-                           f"only {num_layers} layers (0..{num_layers - 1})")
+        raise DrafterError(f"config.json target_layer_ids {list(cfg.target_layer_ids)} include {bad}, but the target's "
+                           f"text model has only {num_layers} layers (0..{num_layers - 1})")
+    if num_layers - 1 in cfg.target_layer_ids:
+        raise DrafterError(  # (why: dflash_core.target's docstring)
+            f"config.json target_layer_ids {list(cfg.target_layer_ids)} tap layer {num_layers - 1}, the target's last, "
+            "which the stacks feed differently (z-lab's loop after the final norm, SGLang and vLLM before it; DeepSpec "
+            "refuses it), and whose output the head reads (the fc shortcut: a drafter can copy the answer): use a "
+            f"drafter trained on layers 0..{num_layers - 2}")
     if cfg.num_target_layers is not None and cfg.num_target_layers != num_layers:
         warnings.warn(f"drafter num_target_layers {cfg.num_target_layers} != target layers {num_layers}", stacklevel=2)
 
@@ -313,18 +316,16 @@ def chosen_block_size(requested: int | None, drafter_block_size: int) -> int | N
     """The block size a request chooses, checked (check_block_size): None, "the drafter's own", when none is
     requested or the request is the drafter's own, so that both name one setting everywhere (keys, series, tags,
     run names)."""
-    if requested is None:
-        return None
-    return None if check_block_size(requested, drafter_block_size) == drafter_block_size else requested
+    return None if requested is None or check_block_size(requested, drafter_block_size) == drafter_block_size \
+        else requested
 
 
 def fallback_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The layer ids DFlash training uses when a config names none: evenly from 1 to n_target - 3."""
     if num_draft_layers == 1:
         return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    span = end - start
-    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+    span = num_target_layers - 3 - 1  # from 1 to n_target - 3
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
 
 
 # ----------------------------------------------------------------------------------------------

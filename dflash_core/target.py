@@ -1,18 +1,22 @@
 """Load a target model and run its text backbone.
 
-A target is any Hugging Face causal LM, or a vision-language wrapper around
-one (Qwen3.5/3.6, Gemma 3, Qwen2.5-VL, ...). We locate the text decoder by
-structure - the one module with `embed_tokens`, a `layers` ModuleList and a
-final `norm`, outside any vision tower - and call it directly with token ids,
-so the vision tower never runs. The lm_head comes from the model when it has
-one, otherwise (e.g. `Qwen3_5Model` from `AutoModel`) from the checkpoint's
-safetensors. Weights saved under a prefix the model class does not expect (a
-`Qwen3_5Model` re-save keeps `language_model.*`) are renamed on load.
+A target is any Hugging Face causal LM, or a vision-language (or audio) wrapper around one (Qwen3.5/3.6, Gemma 3/4,
+Kimi-K2.5, ...). We locate the text decoder by structure - the one module with a token embedding, a `layers`
+ModuleList and a final norm, outside any vision or audio tower - and call it directly with token ids, so the towers
+never run. The lm_head comes from the model when it has one, otherwise (e.g. `Qwen3_5Model` from `AutoModel`) from
+the checkpoint's safetensors. Weights saved under a prefix the model class does not expect (a `Qwen3_5Model`
+re-save keeps `language_model.*`) are renamed on load.
 
-Feature convention: `features[i]` is Hugging Face's `hidden_states[i + 1]`,
-i.e. the output of decoder layer i, except for the last layer, where
-transformers reports the output *after* the final norm. We match transformers
-(and the DFlash reference, which indexes `hidden_states`) exactly.
+Attention: the text model runs with the implementation `attention_implementation` chose (ATTENTION_CHOICES): SDPA
+where its class takes it, else eager (gpt-oss's attention sinks have no SDPA path); the towers, which never run,
+get transformers' own default.
+
+Feature convention: `features[i]` is Hugging Face's `hidden_states[i + 1]`, the output of decoder layer i (the
+residual stream). For the last layer transformers reports the output *after* the final norm instead, and so does
+z-lab's loop, which indexes `hidden_states`; SGLang and vLLM capture the residual stream before that norm. A drafter
+tapping the last layer would get a different tau from each, so a drafter that does is refused
+(drafter_config.check_compatible; DeepSpec's evaluator refuses it too); the stages themselves read the last layer's
+final-norm output only to get the target's own next tokens (its probabilities, the diagnostics' agreement).
 """
 
 import json
@@ -38,8 +42,8 @@ from transformers import (
 from transformers.utils import is_accelerate_available
 
 from .checkpoint_files import has_safetensors
-from .choices import DTYPE_NAMES
-from .token_head import TextWeights, find_text_weights, is_non_text_path, load_token_head
+from .choices import ATTENTION_CHOICES, DTYPE_NAMES
+from .token_head import EMBEDDING_NAMES, TextWeights, find_text_weights, is_non_text_path, load_token_head
 
 # The dtypes a target loads in, by the names config files and command lines give them.
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
@@ -47,6 +51,9 @@ DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 # Tried in order: a VLM checkpoint often maps to a text-only causal LM class
 # (Qwen3.5 -> Qwen3_5ForCausalLM, which skips the vision weights entirely).
 AUTO_CLASSES = (AutoModelForCausalLM, AutoModelForImageTextToText, AutoModel)
+
+# What a text decoder calls its final norm (Nemotron-H: `norm_f`; its embedding: token_head.EMBEDDING_NAMES).
+FINAL_NORM_NAMES = ("norm", "norm_f")
 
 
 @dataclass
@@ -71,28 +78,41 @@ class _StopForward(Exception):
     """Raised from a layer hook once every requested layer has run."""
 
 
+def _named_child(module: nn.Module, names: tuple[str, ...]) -> str | None:
+    """The first of `names` that is a submodule attribute of `module`."""
+    return next((n for n in names if isinstance(getattr(module, n, None), nn.Module)), None)
+
+
 def find_backbone(model: nn.Module) -> tuple[str, nn.Module]:
-    """Return (name, module) of the text decoder: the module with `embed_tokens`,
-    `layers` (nn.ModuleList) and `norm`, outside any vision/audio tower."""
+    """Return (name, module) of the text decoder: the module with a token embedding (EMBEDDING_NAMES),
+    `layers` (nn.ModuleList) and a final norm (FINAL_NORM_NAMES), outside any vision/audio tower."""
     candidates = []
     for name, module in model.named_modules():
         if is_non_text_path(name):
             continue
         if (
-            isinstance(getattr(module, "embed_tokens", None), nn.Module)
+            _named_child(module, EMBEDDING_NAMES) is not None
             and isinstance(getattr(module, "layers", None), nn.ModuleList)
-            and isinstance(getattr(module, "norm", None), nn.Module)
+            and _named_child(module, FINAL_NORM_NAMES) is not None
         ):
             candidates.append((name, module))
     if not candidates:
         raise ValueError(
-            f"no text backbone found in {type(model).__name__}: no module outside the vision tower "
-            "has embed_tokens, layers (nn.ModuleList) and norm"
+            f"no text backbone found in {type(model).__name__}: no module outside the vision/audio towers "
+            f"has a token embedding ({' or '.join(EMBEDDING_NAMES)}), layers (nn.ModuleList) and a final norm "
+            f"({' or '.join(FINAL_NORM_NAMES)})"
         )
     if len(candidates) > 1:
         names = [name or "<root>" for name, _ in candidates]
         raise ValueError(f"ambiguous text backbone in {type(model).__name__}: candidates {names}")
     return candidates[0]
+
+
+def _embedding(backbone: nn.Module) -> nn.Module:
+    """The backbone's token embedding module (find_backbone chose it for having one)."""
+    name = _named_child(backbone, EMBEDDING_NAMES)
+    assert name is not None, "find_backbone returns modules with a token embedding"
+    return backbone.get_submodule(name)
 
 
 def _find_head_module(model: nn.Module) -> nn.Module | None:
@@ -133,7 +153,7 @@ class Target:
     """A target model reduced to what DFlash evaluation needs: its text backbone and token head."""
 
     model: nn.Module  # whatever was loaded
-    backbone: nn.Module  # text decoder: embed_tokens, layers, norm
+    backbone: nn.Module  # text decoder: token embedding, layers, final norm
     head_weight: torch.Tensor  # [V, H] lm_head weight (tied -> embedding weight)
     embed_weight: torch.Tensor  # [V, H] raw embedding matrix (Gemma scales it by sqrt(H) in embed_tokens)
     num_layers: int
@@ -144,6 +164,11 @@ class Target:
     head_bias: torch.Tensor | None = None  # [V]; almost always None
     logit_softcap: float | None = None  # Gemma-style final_logit_softcapping
 
+    @property
+    def attention(self) -> str:
+        """The attention implementation the text model runs with ("sdpa", "eager")."""
+        return self.text_config._attn_implementation
+
     @classmethod
     def from_model(cls, model: nn.Module, checkpoint_dir=None) -> "Target":
         """Wrap an already loaded model (puts it in eval mode, without grad).
@@ -153,7 +178,7 @@ class Target:
         """
         model.eval().requires_grad_(False)
         _, backbone = find_backbone(model)
-        embed_weight = _weight(backbone.get_submodule("embed_tokens"))
+        embed_weight = _weight(_embedding(backbone))
         head = _find_head_module(model)
         head_weight: torch.Tensor
         head_bias: torch.Tensor | None
@@ -208,7 +233,7 @@ class Target:
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Input embeddings as the backbone computes them (including any embedding scale). [N, T] -> [N, T, H]"""
-        return self.backbone.get_submodule("embed_tokens")(self._check_input_ids(input_ids))
+        return _embedding(self.backbone)(self._check_input_ids(input_ids))
 
     @torch.no_grad()
     def apply_head(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -348,13 +373,17 @@ def checkpoint_dtype(path) -> str | None:
 
 
 def _auto_config(path: Path) -> PretrainedConfig:
-    """AutoConfig.from_pretrained, with a config field of the wrong type (e.g. "hidden_size": "64") raised as a
-    ValueError naming the file and the field (transformers 5 validates fields strictly, with its own exception)."""
+    """AutoConfig.from_pretrained, with a config transformers cannot read raised as one line naming the file: a field
+    of the wrong type (e.g. "hidden_size": "64"; transformers 5 validates fields strictly, with its own exception),
+    an unknown model_type, values its config class refuses (Gemma 4 sharing the KV of every layer)."""
     try:
         return AutoConfig.from_pretrained(path)
     except StrictDataclassError as e:
         cause = e.__cause__ or e
         raise ValueError(f"{path / 'config.json'}: {cause}".replace("\n", " ")) from None
+    except (ValueError, KeyError, TypeError) as e:
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{path / 'config.json'}: transformers cannot read it: {reason}") from None
 
 
 def read_target_config(path) -> TargetConfig:
@@ -389,17 +418,61 @@ def read_target_config(path) -> TargetConfig:
     )
 
 
-def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Target:
+def _model_class(config: PretrainedConfig):
+    """The auto class (AUTO_CLASSES, tried in order) that builds a model of `config`; ValueError when none does."""
+    auto_class = next((c for c in AUTO_CLASSES if type(config) in c._model_mapping), None)
+    if auto_class is None:
+        raise ValueError("transformers has no causal-LM, image-text-to-text or base model class for "
+                         f"{type(config).__name__}")
+    return auto_class
+
+
+def _attn_argument(config: PretrainedConfig, attention: str | None) -> str | dict[str, str] | None:
+    """`from_pretrained(attn_implementation=...)` for the text model (and the wrapper around it) alone: a wrapper's
+    towers keep transformers' default (they never run, and an audio tower may take no SDPA). The wrapper's own key
+    ("") counts too: a composite config may build a text-only class (Qwen3.5-MoE -> Qwen3_5MoeForCausalLM)."""
+    if attention is None or "text_config" not in getattr(config, "sub_configs", {}):
+        return attention
+    return {"": attention, "text_config": attention}
+
+
+def choose_attention(path, requested: str = "auto") -> str:
+    """The attention implementation the target's text model runs with: `requested` ("sdpa" or "eager") when its class
+    takes it, and for "auto" SDPA where it takes it, else eager (gpt-oss: its attention sinks have no SDPA path).
+
+    Builds the model on the meta device (no memory, no weight read), so a config transformers cannot build is found
+    here too: ValueError naming the config file, the class and transformers' reason.
+    """
+    if requested not in ATTENTION_CHOICES:
+        raise ValueError(f"attention implementation {requested!r}: use one of {', '.join(ATTENTION_CHOICES)}")
+    path = Path(path)
+    config = _auto_config(path)
+    auto_class = _model_class(config)
+    try:
+        with torch.device("meta"):
+            skeleton = auto_class.from_config(config, attn_implementation=_attn_argument(
+                config, None if requested == "auto" else requested))
+    except Exception as e:  # whatever transformers raises while building: a bad shape, an unsupported attention
+        name = auto_class._model_mapping[type(config)].__name__
+        if requested == "sdpa" and "scaled_dot_product_attention" in str(e):
+            raise ValueError(f"{path / 'config.json'}: {name} does not support SDPA attention; use "
+                             "--attn-implementation eager (or auto, which chooses it)") from None
+        reason = " ".join(str(e).split())
+        raise ValueError(f"{path / 'config.json'}: transformers cannot build {name} from it: {reason}") from None
+    _, backbone = find_backbone(skeleton)
+    return _text_config(skeleton, backbone)._attn_implementation
+
+
+def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu", attention: str = "sdpa") -> Target:
     """Load a target from a local Hugging Face checkpoint directory.
 
-    Tries AutoModelForCausalLM, then AutoModelForImageTextToText, then AutoModel,
-    with SDPA attention, in eval mode without grad. The text weights are found by
-    name wherever they were saved (`language_model.*` from a `Qwen3_5Model` re-save
-    loads into the causal LM; its vision tower is not even loaded), and so is the
-    lm_head. Raises ValueError when the directory or its config is missing, when
-    the head is missing and not tied (naming the prefix found), or when the
-    checkpoint lacks weights the text backbone or head need (they would be
-    silently random otherwise).
+    Tries AutoModelForCausalLM, then AutoModelForImageTextToText, then AutoModel, its text model with the
+    `attention` implementation ("sdpa" or "eager": choose_attention picks one it takes), in eval mode without
+    grad. The text weights are found by name wherever they were saved (`language_model.*` from a `Qwen3_5Model`
+    re-save loads into the causal LM; its vision tower is not even loaded), and so is the lm_head. Raises
+    ValueError when the directory or its config is missing, when the head is missing and not tied (naming the
+    prefix found), or when the checkpoint lacks weights the text backbone or head need (they would be silently
+    random otherwise).
     """
     path = Path(path)
     if not path.is_dir():
@@ -407,11 +480,8 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Targ
     if not (path / "config.json").is_file():
         raise ValueError(f"no config.json in target directory {path}")
     weights = find_text_weights(path)  # before loading anything: a missing head is an error, not a random one
-    config = AutoConfig.from_pretrained(path)
-    auto_class = next((c for c in AUTO_CLASSES if type(config) in c._model_mapping), None)
-    if auto_class is None:
-        raise ValueError("transformers has no causal-LM, image-text-to-text or base model class for "
-                         f"{type(config).__name__}")
+    config = _auto_config(path)
+    auto_class = _model_class(config)
     key_mapping = _key_mapping(auto_class, config, weights)
     device = torch.device(device)
     # Loading straight onto an accelerator needs `accelerate`; without it, load to CPU and move.
@@ -422,7 +492,7 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu") -> Targ
         config=config,
         dtype=dtype,
         device_map=str(device) if direct else None,
-        attn_implementation="sdpa",
+        attn_implementation=_attn_argument(config, attention),
         output_loading_info=True,
         key_mapping=key_mapping,
     )

@@ -10,6 +10,7 @@ two tensors by name, whatever prefix the wrapper class gives them:
     model.language_model.embed_tokens.weight    Qwen3.5 / Qwen3-VL style VLM
     language_model.model.embed_tokens.weight    Gemma 3 / Llava style VLM
     language_model.embed_tokens.weight          a Qwen3_5Model (AutoModel) re-save, which has no lm_head
+    backbone.embeddings.weight                  Nemotron-H (its decoder names its embedding `embeddings`)
     lm_head.weight, language_model.lm_head.weight, ...
 
 Keys under a vision tower, projector, audio tower or multi-token-prediction
@@ -25,6 +26,9 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint_files import tensor_files
+
+# What a text decoder calls its token embedding, in the order they are looked for (Nemotron-H: `embeddings`).
+EMBEDDING_NAMES = ("embed_tokens", "embeddings")
 
 # Dotted name components (or their prefixes) of the parts of a model other than its text decoder:
 # vision and audio towers, their projectors, multi-token-prediction heads. Module names (target.py)
@@ -134,13 +138,16 @@ def find_text_weights(target_dir) -> TextWeights:
     """
     target_dir = Path(target_dir)
     key_to_file = tensor_files(target_dir)
-    embed_key = _find_unique_key(key_to_file, "embed_tokens", target_dir)
+    # `embed_tokens` first: `embeddings` (Nemotron-H) names other tables too in models that have both
+    embed_module = next((name for name in EMBEDDING_NAMES if _find_unique_key(key_to_file, name, target_dir)), None)
+    embed_key = _find_unique_key(key_to_file, embed_module, target_dir) if embed_module else None
     if embed_key is None:
         drafter = _looks_like_drafter(target_dir)
-        raise ValueError(f"no embedding tensor (*embed_tokens.weight) outside the vision/audio parts in {target_dir}"
+        raise ValueError(f"no embedding tensor (*embed_tokens.weight or *embeddings.weight) outside the vision/audio "
+                         f"parts in {target_dir}"
                          + (f": it looks like a DFlash drafter ({drafter}), not a target; pass it as the drafter and "
                             "the model it drafts for as the target" if drafter else ""))
-    prefix = embed_key[: -len("embed_tokens.weight")]
+    prefix = embed_key[: -len(f"{embed_module}.weight")]
     head_key = _find_unique_key(key_to_file, "lm_head", target_dir)
     if head_key is None and _read_tie_flag(target_dir) is False:
         # A base model (AutoModel -> Qwen3_5Model) saved on its own keeps no head; an untied one is

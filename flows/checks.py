@@ -46,7 +46,7 @@ from dflash_core.drafter_config import (
 from dflash_core.prompts import PromptError, read_completions
 from dflash_core.published.benchmarks import BenchmarkError
 from dflash_core.sampling import Sampling, Served
-from dflash_core.target import read_target_config
+from dflash_core.target import choose_attention, read_target_config
 from dflash_eval.services.reference.backends import BackendError, open_backend
 from dflash_eval.services.relay.client import RelayError
 from dflash_eval.storage import Store
@@ -72,6 +72,7 @@ class CheckedEvaluation:
     evaluation: Evaluation  # the checkpoint, its settings by group, and which stages run
     store_location: str  # the store: an absolute folder or s3://BUCKET/PREFIX, as every task reopens it
     dtype: DtypeChoice  # resolved once: `auto` and the name it resolves to share the store's entries
+    attention: str  # the target text model's attention implementation ("sdpa", "eager"), resolved once
     target_name: str  # how series titles and tags call the target: --name, else checkpoint_files.model_name
     # how the target is served: the sampling, and the block size chosen only when it is not the drafter's own
     served: Served
@@ -125,6 +126,10 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
         raise InputError(f"{name('device')} {device}: CUDA is not available on this machine; use cpu")
     target = inputs.target
     target_config = check_target(target)
+    try:
+        attention = choose_attention(target, evaluation.compute.attn_implementation)
+    except ValueError as e:  # (names the config file)
+        raise InputError(f"target: {e}".replace("--attn-implementation", name("attn_implementation"))) from None
     fetch_options = {"relay_token_file": checkpoints.relay_token_file, "include": checkpoints.include,
                      "wait_seconds": checkpoints.checkpoint_wait, "settle_seconds": checkpoints.settle_seconds}
     tokenizer = target_tokenizer(target)  # resolves a mask token given as a string
@@ -184,7 +189,7 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
                     given=inputs.references is not None, draft_sample_method=serving.draft_sample_method,
                     draft_truncation=serving.draft_truncation)
     return CheckedEvaluation(
-        evaluation=evaluation, store_location=Store(evaluation.output.store).location, dtype=dtype,
+        evaluation=evaluation, store_location=Store(evaluation.output.store).location, dtype=dtype, attention=attention,
         target_name=inputs.target_name or model_name(target), served=served,
         baseline_block_size=chosen_block_size(serving.block_size, baseline.block_size) if baseline else None,
         block_sweep=tuple((b, chosen_block_size(b, drafter.block_size)) for b in sweep),

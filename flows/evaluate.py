@@ -88,12 +88,12 @@ def evaluate(checked: CheckedEvaluation):
             lookahead=checked.drafter.verified_tokens(checked.drafter.block_size) - 1 if generation.lookahead else 0,
             concurrency=generation.concurrency, reference_api_key_file=generation.reference_api_key_file,
             sampling=checked.served.sampling, samples=checked.served.samples, seed=checked.served.seed,
-            given=inputs.references, target_name=checked.target_name, refresh="references" in refresh,
-            return_state=True, **on_device))
+            given=inputs.references, target_name=checked.target_name, attention=checked.attention,
+            refresh="references" in refresh, return_state=True, **on_device))
     if checked.runs("features"):
         features = runs.add("features", extract_target_features(
             target, refs, feature_layers(checked, checkpoint, baseline), store, dask_address=compute.dask_address,
-            refresh="features" in refresh, return_state=True, **on_device))
+            attention=checked.attention, refresh="features" in refresh, return_state=True, **on_device))
     if checked.runs("drafts"):
         drafts = runs.add("drafts", draft(checkpoint, features, refs, target, store, refresh="drafts" in refresh,
                                           block_size=checked.served.block_size, return_state=True, **replays))

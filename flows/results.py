@@ -64,6 +64,7 @@ def evaluation_results(checked: CheckedEvaluation, runs: StageRuns) -> dict:
         "dtype": checked.dtype.name,
         "dtype_requested": checked.dtype.requested,
         "dtype_note": checked.dtype.note,
+        "attn_implementation": checked.attention,
         "device": e.compute.device,
         "store": checked.store_location,
         "stages": dict(runs.statuses),

@@ -36,6 +36,7 @@ DeviceName = Literal["cpu", "cuda"]
 # they are the same): "auto" (the target checkpoint's own dtype) or a dtype the stages compute in; how sliding-window
 # drafter layers treat the block.
 DtypeName = Literal["auto", "float32", "bfloat16"]
+AttentionName = Literal["auto", "sdpa", "eager"]
 SlidingSemanticsName = Literal["causal", "non_causal"]
 # The temperatures served: 0 (greedy), or one in [MIN_TEMPERATURE, MAX_TEMPERATURE], where vLLM and SGLang both sample
 # at the temperature given (why, with the sources: dflash_core.sampling, which states the same bounds for library
@@ -273,6 +274,9 @@ class Compute(Group):
     dtype: DtypeName = Field("auto", description=(
         "auto (the target checkpoint's own dtype; a float16 one computes in float32), float32 or bfloat16: target "
         "and drafter compute dtype."))
+    attn_implementation: AttentionName = Field("auto", description=(
+        "The target's attention implementation: auto (SDPA where its text model takes it, else eager: gpt-oss), "
+        "sdpa or eager. Not SDPA, it is part of the references' and features' keys (the two round differently)."))
     device: DeviceName = Field("cpu", description="cpu or cuda (choose a GPU with CUDA_VISIBLE_DEVICES).")
     threads: int | None = Field(None, ge=1, description=(
         "CPU threads torch computes with (default: $OMP_NUM_THREADS, else this machine's cores shared by the "

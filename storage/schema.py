@@ -113,6 +113,8 @@ class FeaturesRecord(_Record):
     n: int  # sequences (references)
     references: str  # the references key
     dtype: str
+    # the target's attention implementation when not SDPA ("eager"); None: SDPA (as every entry before the choice)
+    attention: str | None = _written_when_set()
     # computed on a Dask cluster (--dask): per shard, the sequences it extracted and the worker that did
     # (tasks/cluster.py: worker, host, pid, seconds); None when extracted in the flow's own process
     shards: tuple[dict[str, Any], ...] | None = _written_when_set()

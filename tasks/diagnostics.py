@@ -164,7 +164,7 @@ def diagnose(
             "agreement": {name: {"agreed": agreed, "compared": compared,
                                  "rate": agreed / compared if compared else None}
                           for name, (agreed, compared) in agreement.items()},
-            "findings": findings(scores.tau_macro, ablated, noise_tau, num_layers, agreement),
+            "findings": findings(scores.tau_macro, ablated, noise_tau, agreement),
             "layer_offset_probe": [{"offset": o, "layer_ids": offsets[o][0], "tau_macro": offsets[o][1]}
                                    for o in sorted(offsets)],
             "sliding_switch": None if switched is None else {

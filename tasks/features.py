@@ -29,6 +29,7 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
+from dflash_core.choices import DEFAULT_ATTENTION
 from dflash_core.features import extract, length_sorted_batches
 from dflash_eval.storage import Store, key_of
 from dflash_eval.storage.feature_store import FEATURES_DIRNAME, TARGET_PROBS, FeatureMissing, FeatureStore, array_name
@@ -41,7 +42,7 @@ from .heavy import heavy_stage
 from .progress import StageProgress, stage_logger
 from .references import ReferenceSet, load_references, references_here
 from .stage import cached, get_or_compute
-from .target import loaded_target, target_key
+from .target import attention_identity, loaded_target, target_key
 from .threads import compute_threads, parameter_count
 
 STAGE = Stage.FEATURES
@@ -62,6 +63,7 @@ class FeatureSet:
     layer_ids: tuple[int, ...]
     n: int
     shards: tuple[dict[str, Any], ...] | None = None  # FeaturesRecord.shards: who extracted them on a cluster
+    attention: str = DEFAULT_ATTENTION  # the target's attention implementation they were extracted with
 
 
 @task(name="features", cache_policy=NONE, persist_result=False)
@@ -74,6 +76,7 @@ def extract_target_features(
     device: str = "cpu",
     refresh: bool = False,
     dask_address: str | None = None,
+    attention: str = DEFAULT_ATTENTION,
 ):
     """Extract the hidden states of `layer_ids` that the store does not hold yet (absent, incomplete,
     or with a lost or short chunk: each such array is named in the log); with `dask_address`, on the
@@ -83,7 +86,7 @@ def extract_target_features(
     store = Store(store_location)
     key = key_of({
         "target": target_key(target_dir, store), "references": refs.key, "dtype": dtype,
-        "device": torch.device(device).type, "extractor": EXTRACTOR_VERSION,
+        "device": torch.device(device).type, "extractor": EXTRACTOR_VERSION, **attention_identity(attention),
     })
     feature_store = store.feature_store(key)
     labels = [entry_label(Stage.REFERENCES, refs.key)]
@@ -100,15 +103,16 @@ def extract_target_features(
                                    f"({'; '.join(reasons)}{'; ...' if len(lost) > 5 else ''}): extracting them again")
         shards = None
         if missing and dask_address:  # the workers compute: this process takes no heavy-stage slot
-            shards = extract_on_cluster(dask_address, store, key, refs, target_dir, missing, dtype, device)
+            shards = extract_on_cluster(dask_address, store, key, refs, target_dir, missing, dtype, device, attention)
             if still_missing := feature_store.missing(layer_ids, refs.n):
                 raise RuntimeError(f"{STAGE}/{key}: the cluster's shards left {len(still_missing)} arrays unwritten "
                                    f"(first: {array_name(*still_missing[0])})")
         elif missing:
             with heavy_stage():
-                extract_arrays(target_dir, refs, missing, feature_store, dtype, device)
+                extract_arrays(target_dir, refs, missing, feature_store, dtype, device, attention)
         return FeaturesRecord(layer_ids=tuple(sorted(set(held) | set(layer_ids))), n=refs.n, references=refs.key,
-                              dtype=dtype, shards=shards).to_record()
+                              dtype=dtype, shards=shards, attention=attention_identity(attention).get("attention")
+                              ).to_record()
 
     def layers_digest(replaced: Entry) -> str | None:
         # what a refresh must reproduce: the asked layers that the replaced entry held, not the whole entry
@@ -120,7 +124,7 @@ def extract_target_features(
                              holds=lambda _: not feature_store.missing(layer_ids, refs.n), extend=extract,
                              skip=(FEATURES_DIRNAME,), compared=layers_digest)
     features = FeatureSet(key=key, path=str(store.entry(STAGE, key)), layer_ids=tuple(layer_ids), n=refs.n,
-                          shards=FeaturesRecord.from_record(outcome.record).shards)
+                          shards=FeaturesRecord.from_record(outcome.record).shards, attention=attention)
     return features if outcome.computed else cached(features)
 
 
@@ -199,7 +203,8 @@ class FeatureReader:
                     self.feature_store.discard(layer_id, n)
                     todo.append((layer_id, n))
             if todo:
-                extract_arrays(self.target_dir, self.refs, todo, self.feature_store, self.dtype, self.device)
+                extract_arrays(self.target_dir, self.refs, todo, self.feature_store, self.dtype, self.device,
+                               self.features.attention)
                 self.repaired += todo
 
 
@@ -213,7 +218,7 @@ def extraction_batches(sequences: Sequence[Sequence[int]], missing) -> list[list
 
 
 def extract_arrays(target_dir: str, refs: ReferenceSet, missing, feature_store: FeatureStore, dtype: str,
-                   device: str, progress: bool = True) -> None:
+                   device: str, attention: str = DEFAULT_ATTENTION, progress: bool = True) -> None:
     """Extract the `missing` (layer, sequence) arrays with the target into `feature_store`, batch by batch of
     the fixed plan (`extraction_batches`). progress: the stage's own bar and artifact (a cluster's shard leaves
     those to the stage that submitted it)."""
@@ -222,7 +227,7 @@ def extract_arrays(target_dir: str, refs: ReferenceSet, missing, feature_store: 
     for layer_id, n in missing:
         missing_by_seq.setdefault(n, set()).add(layer_id)
     batches = extraction_batches(sequences, missing)
-    target = loaded_target(target_dir, dtype, device)
+    target = loaded_target(target_dir, dtype, device, attention)
     # a forward processes a batch's tokens: a small target on short sequences computes faster on fewer threads
     tokens_per_forward = max(len(b) * max(len(sequences[n]) for n in b) for b in batches)
     done = 0
@@ -248,7 +253,8 @@ def extract_arrays(target_dir: str, refs: ReferenceSet, missing, feature_store: 
 
 @task(name="features shard", task_run_name="features shard {label}", cache_policy=NONE, persist_result=False)
 def extract_features_shard(store_location: str, features_key: str, refs: ReferenceSet, target_dir: str,
-                           arrays: list[tuple[int, int]], dtype: str, device: str, label: str = "") -> dict:
+                           arrays: list[tuple[int, int]], dtype: str, device: str,
+                           attention: str = DEFAULT_ATTENTION, label: str = "") -> dict:
     """On a worker: extract the (layer, sequence) `arrays` of one batch into features entry `features_key`,
     those the entry does not hold yet (a shard run again after its worker died does only the rest); returns
     the shard's record: its sequences, the arrays it extracted, who extracted them and how long it took."""
@@ -258,13 +264,14 @@ def extract_features_shard(store_location: str, features_key: str, refs: Referen
     feature_store = store.feature_store(features_key)
     todo = [(layer, n) for layer, n in arrays if not feature_store.has(layer, n)]
     if todo:
-        extract_arrays(target_dir, references_here(store, refs), todo, feature_store, dtype, device, progress=False)
+        extract_arrays(target_dir, references_here(store, refs), todo, feature_store, dtype, device, attention,
+                       progress=False)
     return {"sequences": sorted({n for _, n in arrays}), "arrays": len(todo), **worker_identity(),
             "seconds": round(time.monotonic() - started, 3)}
 
 
 def extract_on_cluster(address: str, store: Store, features_key: str, refs: ReferenceSet, target_dir: str, missing,
-                       dtype: str, device: str) -> tuple[dict, ...]:
+                       dtype: str, device: str, attention: str = DEFAULT_ATTENTION) -> tuple[dict, ...]:
     """Extract the `missing` (layer, sequence) arrays of features entry `features_key` on the cluster at
     `address`, one shard per batch of the single-process plan; returns the shards' records."""
     sequences = [item.reference.token_ids for item in load_references(refs)]
@@ -274,5 +281,5 @@ def extract_on_cluster(address: str, store: Store, features_key: str, refs: Refe
         members = set(batch)
         parameters.append(dict(store_location=store.location, features_key=features_key, refs=refs,
                                target_dir=target_dir, arrays=[(layer, n) for layer, n in missing if n in members],
-                               dtype=dtype, device=device, label=f"{i}/{len(batches)}"))
+                               dtype=dtype, device=device, attention=attention, label=f"{i}/{len(batches)}"))
     return tuple(run_shards(address, extract_features_shard, parameters, STAGE, "feature batches extracted"))

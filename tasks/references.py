@@ -29,6 +29,7 @@ from prefect.states import State
 from transformers import AutoTokenizer
 
 from dflash_core.checkpoint_files import model_name
+from dflash_core.choices import DEFAULT_ATTENTION
 from dflash_core.prompts import (
     Prompt,
     prompt_set_identity,
@@ -56,7 +57,7 @@ from dflash_eval.storage.schema import ReferencesRecord, Stage
 
 from .progress import StageProgress, stage_logger
 from .stage import cached, get_or_compute
-from .target import loaded_target, target_key
+from .target import attention_identity, loaded_target, target_key
 from .threads import compute_threads, parameter_count
 
 STAGE = Stage.REFERENCES
@@ -246,6 +247,7 @@ def generate_references(
     seed: int = 0,
     given: str | None = None,
     target_name: str | None = None,
+    attention: str = DEFAULT_ATTENTION,
 ):
     """Completions from the target in this process (reference="local") or a server (see
     dflash_eval.services.reference.backends): greedy, or `samples` per prompt sampled with `sampling`, seeded from
@@ -267,8 +269,9 @@ def generate_references(
     benchmarks = prompt_set.benchmarks.to_json() if prompt_set.benchmarks else None
     backend: LocalBackend | HTTPBackend
     if reference == "local":
-        local = backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device),
-                                       {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type})
+        local = backend = LocalBackend(lambda: loaded_target(target_dir, dtype, device, attention),
+                                       {"kind": "transformers", "dtype": dtype, "device": torch.device(device).type,
+                                        **attention_identity(attention)})
 
         @functools.cache  # once, on the first prompt decoded (cached references load no target)
         def target_parameters() -> int:

@@ -5,7 +5,7 @@ from functools import lru_cache
 
 from transformers import AutoTokenizer
 
-from dflash_core.choices import AUTO_DTYPE, STAGE_DTYPE_NAMES
+from dflash_core.choices import AUTO_DTYPE, DEFAULT_ATTENTION, STAGE_DTYPE_NAMES
 from dflash_core.target import DTYPES as TARGET_DTYPES
 from dflash_core.target import Target, checkpoint_dtype, load_target
 from dflash_eval.storage import Store, directory_digest
@@ -61,7 +61,15 @@ def target_tokenizer(target_dir: str):
 
 
 @lru_cache(maxsize=1)
-def loaded_target(target_dir: str, dtype: str, device: str) -> Target:
+def loaded_target(target_dir: str, dtype: str, device: str, attention: str = DEFAULT_ATTENTION) -> Target:
     """The target, loaded once per process: the references and features stages share it
     (a 27B target is ~54 GB; it is never loaded when both stages are cached)."""
-    return load_target(target_dir, dtype=DTYPES[dtype], device=device)
+    return load_target(target_dir, dtype=DTYPES[dtype], device=device, attention=attention)
+
+
+def attention_identity(attention: str) -> dict[str, str]:
+    """What a stage key holds of the target's attention implementation: nothing for SDPA, which every target ran
+    with before the choice existed (so their entries keep their keys), else {"attention": name}. SDPA and eager
+    kernels sum in other orders: their hidden states differ in the last bits, and a near-tie can flip a greedy
+    token (docs/targets.md has the measurement)."""
+    return {} if attention == DEFAULT_ATTENTION else {"attention": attention}

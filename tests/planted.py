@@ -9,9 +9,7 @@ logs what SpecForge's trainer logs into `runs/` beside its step folders:
     <tiny run>/planted/<bug or clean>-<key>/runs/     TensorBoard: train/loss, train/acc, train/acc_<k>
 
 Bugs: training.PLANTED_BUGS (the block seeing its own answers, labels one position late, features drowned
-in noise); "last_layer_shortcut": the drafter fed the target's last layer, whose output the target's head
-reads, so it leans on that one layer (the fc shortcut through the target's own output layer); and
-"noisy_logits": trained to predict the target's next token through logits with noise added once, when the
+in noise) and "noisy_logits": trained to predict the target's next token through logits with noise added once, when the
 training data was made (LOGIT_NOISE times their spread), instead of the target's own next token.
 """
 
@@ -35,7 +33,7 @@ from dflash_eval.tiny import target as tiny_target
 from dflash_eval.tiny.build import TinyBuildSettings, TinyRun, _greedy_batch, _train_prompts, tiny_drafter_config
 from dflash_eval.tiny.training import DrafterTrainingSettings, train_drafter
 
-PLANTED = (*training.PLANTED_BUGS, "last_layer_shortcut", "noisy_logits")
+PLANTED = (*training.PLANTED_BUGS, "noisy_logits")
 LOGIT_NOISE = 2.0
 STEPS, SAVE_EVERY = 200, 100
 
@@ -70,8 +68,6 @@ def _train(tiny: TinyRun, bug: str | None, out: Path, log) -> None:
     model = AutoModelForCausalLM.from_pretrained(tiny.target_dir, dtype=torch.float32).eval()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny.target_dir)
     target = Target.from_model(model)
-    if bug == "last_layer_shortcut":
-        settings = replace(settings, layer_ids=(settings.layer_ids[0], target.num_layers - 1))
     text, _ = tiny_target.build_corpus(settings.corpus_bytes)
     prompts = _train_prompts(tokenizer, text, settings.train_prompts, settings.prompt_len, settings.seed)
     refs = [Reference(settings.prompt_len, seq) for seq in

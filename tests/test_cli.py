@@ -52,11 +52,11 @@ def test_the_choices_are_the_constants_the_code_checks_against():
     ones the code checks against."""
     from typing import get_args
 
-    from dflash_core.choices import SLIDING_SEMANTICS
+    from dflash_core.choices import ATTENTION_CHOICES, SLIDING_SEMANTICS
     from dflash_core.drafter_config import ARCHITECTURES
     from dflash_core.target import DTYPES as SERVED_DTYPES
     from dflash_eval.flows.cli.options import Arch, DrafterArchitecture, ServedDtype
-    from dflash_eval.flows.settings import STAGES, DtypeName, SlidingSemanticsName
+    from dflash_eval.flows.settings import STAGES, AttentionName, DtypeName, SlidingSemanticsName
     from dflash_eval.storage.schema import Stage
     from dflash_eval.tasks.target import AUTO, DTYPE_CHOICES
     from dflash_eval.tiny.target import DEFAULT_STEPS
@@ -64,6 +64,7 @@ def test_the_choices_are_the_constants_the_code_checks_against():
     assert get_args(DtypeName) == DTYPE_CHOICES
     assert tuple(ServedDtype) == (AUTO, *SERVED_DTYPES)
     assert get_args(SlidingSemanticsName) == SLIDING_SEMANTICS
+    assert get_args(AttentionName) == ATTENTION_CHOICES
     assert set(STAGES) <= {stage.value for stage in Stage}
     assert set(Arch) == set(DEFAULT_STEPS)
     assert tuple(DrafterArchitecture) == tuple(ARCHITECTURES)

@@ -367,7 +367,7 @@ BAD_INPUTS = {
     "drafter layer ids past the target": (
         lambda t, tiny: {"--drafter": str(_drafter_with(t, tiny, dflash_config={"target_layer_ids": [1, 9],
                                                                                 "mask_token_id": 3}))},
-        "include [9], but the target has only 4 layers"),
+        "include [9], but the target's text model has only 4 layers"),
     "missing prompts": (lambda t, tiny: {"--prompts": str(t / "none.jsonl")}, "none.jsonl: no such prompt file"),
     "prompts line not JSON": (lambda t, tiny: {"--prompts": str(_bad_prompts(t, tiny, '{"id": "x", "text": '))},
                               "bad.jsonl:2"),

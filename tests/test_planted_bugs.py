@@ -17,7 +17,6 @@ EXPECTED = {  # bug -> (flag or finding kind, words its message must hold)
     "leaked_block": ("train/eval gap", "Most likely a leak"),
     "shifted_label": ("labels one position off", "one position later"),
     "noisy_features": ("hardly changed under noise", "noisy or missing features"),
-    "last_layer_shortcut": ("reads the target's last layer", "fc shortcut"),
     "noisy_logits": ("agrees with the target on neither", "noisy target logits"),
 }
 

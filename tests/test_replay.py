@@ -69,7 +69,7 @@ def test_replay_equals_online_loop(qwen3_target, semantics):
 
 
 def test_all_positions_mode_agrees_with_decode_mode(qwen3_target):
-    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 3), mask_token_id=0)
+    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 2), mask_token_id=0)
     drafter = random_drafter(raw, seed=12, scale=3.0)
     online, greedy, replayed = online_and_replay(qwen3_target, drafter, prompts(seed=1), all_positions=True)
     assert_replay_equals_online(online, greedy, replayed, drafter.block_size)
@@ -86,7 +86,7 @@ def test_all_positions_mode_agrees_with_decode_mode(qwen3_target):
 def test_all_positions_mode_counts_teacher_forced_hits_per_position(qwen3_target):
     """Each draft position's accuracy whatever came before it (as training measures it): counted from the
     drafter's whole block at every start, which a test recomputes with BlockScorer.draft_tokens."""
-    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 3), mask_token_id=0)
+    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 2), mask_token_id=0)
     drafter = random_drafter(raw, seed=12, scale=3.0)
     ps = prompts(seed=1)
     refs = [Reference(len(p), greedy_decode(qwen3_target, p, 40, stop_token_ids=[STOP])) for p in ps]
@@ -237,7 +237,7 @@ def test_without_rollback_hybrid_decoding_goes_wrong(qwen3_5_dirs, monkeypatch):
 @pytest.mark.parametrize("raw_edit,target_layers,message", [
     (dict(hidden_size=32), 4, "drafter hidden_size 32 != target hidden_size 64"),
     (dict(mask_token_id=VOCAB), 4, f"mask_token_id {VOCAB} is outside the target's vocabulary of {VOCAB}"),
-    (dict(layer_ids=(1, 4)), 4, r"include \[4\], but the target has only 4 layers"),
+    (dict(layer_ids=(1, 4)), 4, r"include \[4\], but the target's text model has only 4 layers"),
 ])
 def test_incompatible_drafter_is_refused(qwen3_target, raw_edit, target_layers, message):
     from dflash_core.drafter_config import DrafterError
@@ -280,11 +280,11 @@ def test_agreement_counts_equal_a_block_by_block_count(qwen3_target):
     ones (the references here are greedy)."""
     from dflash_core.diagnostics import LABEL_OFFSETS, agreement_counts, next_tokens
 
-    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 3), mask_token_id=0)
+    raw = drafter_config(hidden_size=64, block_size=5, layer_ids=(0, 2), mask_token_id=0)
     drafter = random_drafter(raw, seed=12, scale=3.0)
     refs = [Reference(len(p), greedy_decode(qwen3_target, p, 20, stop_token_ids=[STOP])) for p in prompts(seed=2)]
     last = qwen3_target.num_layers - 1
-    feats = extract_features(qwen3_target, [r.token_ids for r in refs], [0, 3, last])
+    feats = extract_features(qwen3_target, [r.token_ids for r in refs], [0, 2, last])
     target_next = [next_tokens(f[2], qwen3_target.head_weight, rows=7) for f in feats]
     for ref, following in zip(refs, target_next):  # greedy: the target's next token is the reference's
         assert following[ref.prompt_len - 1:len(ref.token_ids) - 1].tolist() == list(ref.token_ids[ref.prompt_len:])

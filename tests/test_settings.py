@@ -78,8 +78,8 @@ def test_the_flow_s_parameters_are_the_groups_and_their_form_is_the_declaration(
      "serving.draft_truncation applies to probabilistic drafts"),
     ({"inputs": {"target": "t"}}, "give --prompts (a suite or a prompt file), or --references FILE",
      "give inputs.prompts (a suite or a prompt file), or inputs.references FILE"),
-    ({"compute": {"dask": "tcp://x:1"}}, "compute.dask is no setting (the compute group hold: dtype, device, "
-     "threads, replay_group, dask_address)", "compute.dask is no setting"),
+    ({"compute": {"dask": "tcp://x:1"}}, "compute.dask is no setting (the compute group hold: dtype, attn_implementation, "
+     "device, threads, replay_group, dask_address)", "compute.dask is no setting"),
 ])
 def test_a_broken_rule_names_each_setting_as_the_user_gave_it(given, on_the_command_line, as_parameters):
     values = {**BASE, **given, "inputs": {**BASE["inputs"], **given.get("inputs", {})}}

@@ -26,7 +26,7 @@ RUNS = {
     "qwen3_dflash2": TinyBuildSettings(arch="qwen3", drafter_architecture="DFlash2DraftModel"),
 }
 PLANTED = ("planted:clean", "planted:leaked_block", "planted:shifted_label", "planted:noisy_features",
-           "planted:last_layer_shortcut", "planted:noisy_logits")
+           "planted:noisy_logits")
 
 
 def trained_run(name: str) -> TinyRun:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from dflash_core.decoding import decode
 from dflash_core.sampling import Sampling
-from dflash_core.target import DTYPES, load_target, read_target_config
+from dflash_core.target import DTYPES, choose_attention, load_target, read_target_config
 
 from ..http_server import BackgroundServer, DeadlineRequestHandler, ErrorResponse
 from .request_fields import (
@@ -112,7 +112,9 @@ class ReferenceServer(BackgroundServer):
         self.target_dir = Path(target_dir)
         self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else self.target_dir
         self.dtype, self.device = dtype, device
-        self.target = load_target(self.target_dir, dtype=DTYPES[dtype], device=device)
+        # SDPA where the target's text model takes it, else eager (gpt-oss), as a run's --attn-implementation auto
+        self.target = load_target(self.target_dir, dtype=DTYPES[dtype], device=device,
+                                  attention=choose_attention(self.target_dir))
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
         self.eos_token_ids = tuple(read_target_config(self.target_dir).eos_token_ids)
         self.served_model_name = served_model_name or self.target_dir.name
