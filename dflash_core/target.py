@@ -486,8 +486,7 @@ def load_target(path, dtype: torch.dtype = torch.bfloat16, device="cpu", attenti
     device = torch.device(device)
     # Loading straight onto an accelerator needs `accelerate`; without it, load to CPU and move.
     direct = device.type != "cpu" and is_accelerate_available()
-    # output_loading_info=True makes it return (model, info); transformers' annotation names the model only
-    model, info = auto_class.from_pretrained(  # type: ignore[misc]
+    model, info = auto_class.from_pretrained(  # (output_loading_info=True: it returns (model, info))
         path,
         config=config,
         dtype=dtype,
