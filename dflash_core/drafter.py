@@ -551,6 +551,8 @@ def load_drafter(
     with torch.device("meta"):
         model = DFlashDrafter(config, sliding_semantics)
     state = _checked_weights(path, config, {name: t.shape for name, t in model.state_dict().items()})
+    if model.lm_head is not None:
+        _check_token_map_types(path, state)  # before loading casts them to the buffers' long and bool
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
     if model.lm_head is not None:
@@ -593,6 +595,21 @@ def _checked_weights(path: Path, cfg: DrafterConfig, expected: dict[str, torch.S
             raise DrafterError(f"{path}: weight {name} has shape {list(state[name].shape)}, expected "
                                f"{list(shape)}{hint}")
     return state
+
+
+def _check_token_map_types(path: Path, state: dict[str, torch.Tensor]) -> None:
+    """A reduced vocabulary's d2t holds integer offsets and its t2d booleans (or 0/1 as integers): loaded into the
+    long and bool buffers, a float d2t would be truncated and any t2d value but 0 read as kept, without a word."""
+    d2t, t2d = state["d2t"], state["t2d"]
+    if d2t.dtype.is_floating_point or d2t.dtype.is_complex or d2t.dtype == torch.bool:
+        raise DrafterError(f"{path}: d2t is {str(d2t.dtype).removeprefix('torch.')}: it must hold integer offsets "
+                           "(target id = draft id + d2t[draft id], int64 as speculators saves it); re-save the drafter")
+    if t2d.dtype != torch.bool and (t2d.dtype.is_floating_point or t2d.dtype.is_complex
+                                    or not bool(((t2d == 0) | (t2d == 1)).all())):
+        odd = t2d[(t2d != 0) & (t2d != 1)]
+        held = f" holding {odd[0].item()!r}" if odd.numel() else ""
+        raise DrafterError(f"{path}: t2d is {str(t2d.dtype).removeprefix('torch.')}{held}: it must mark each target "
+                           "token kept or not (bool, as speculators saves it, or 0/1); re-save the drafter")
 
 
 def _check_token_map(path: Path, model: DFlashDrafter) -> None:

@@ -14,11 +14,12 @@ import json
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn, TypeGuard
+from typing import Any, NoReturn
 
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from .config_values import boolean_problem, integer_problem, layer_ids_problem, number_problem, rope_problem, shown
 from .speculators_format import SPECULATORS_FIELDS, SpeculatorsConfigError, is_speculators_config, published_config
 
 
@@ -180,7 +181,7 @@ class DrafterConfig:
                 raw = published_config(raw, source, DFLASH_FIELDS)
             except SpeculatorsConfigError as e:
                 raise DrafterError(str(e)) from None
-        fields = _Fields(raw, source)
+        fields = _Fields(raw, source, nested_in_file=not speculators)  # (speculators: DFlash fields at the top)
         _refuse_unimplemented(fields, reduced_vocabulary=speculators)
         architecture = (raw.get("architectures") or ["DFlashDraftModel"])[0]
 
@@ -192,8 +193,8 @@ class DrafterConfig:
         if num_heads % num_kv_heads:
             fields.fail(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         block_size = fields.dflash("block_size")
-        if not (_is_int(block_size) and block_size >= 2):
-            fields.fail(f"block_size must be an integer >= 2, got {block_size!r}")
+        if problem := integer_problem(block_size, 2):
+            fields.fail(f"{fields.name('block_size')} {problem}")
 
         num_target_layers = fields.integer(fields.name("num_target_layers"), fields.dflash("num_target_layers"), 1)
         layer_ids = fields.dflash("target_layer_ids")
@@ -208,18 +209,15 @@ class DrafterConfig:
                 "checkpoints: check it against the training config.",
                 stacklevel=2,
             )
-        if (not isinstance(layer_ids, (list, tuple)) or not layer_ids
-                or not all(_is_int(i) and i >= 0 for i in layer_ids)):
-            fields.fail(f"target_layer_ids must be a non-empty list of layer indices >= 0, got {layer_ids!r}")
+        if problem := layer_ids_problem(layer_ids, 0):
+            fields.fail(f"{fields.name('target_layer_ids')} {problem}")
 
         layer_types, window, is_causal = _attention_layout(fields, num_layers)
         rope = _rope_config(fields, hidden, num_heads, num_kv_heads, head_dim, num_layers)
-        scale = fields.dflash("input_embedding_scale")
-        if scale is not None and not _is_number(scale):
-            fields.fail(f"{fields.name('input_embedding_scale')} must be a number, got {scale!r}")
-        rms_norm_eps = raw.get("rms_norm_eps", 1e-6)
-        if not (_is_number(rms_norm_eps) and rms_norm_eps > 0):
-            fields.fail(f"rms_norm_eps must be a positive number, got {rms_norm_eps!r}")
+        scale = fields.number("input_embedding_scale", fields.dflash("input_embedding_scale"),
+                              meaning="it multiplies the block's token embeddings")
+        if problem := number_problem(rms_norm_eps := raw.get("rms_norm_eps", 1e-6)):  # (null too: no default)
+            fields.fail(f"rms_norm_eps {problem}")
         attention_bias = fields.boolean("attention_bias", raw.get("attention_bias"))
 
         known = {*READ_FIELDS, *DFLASH_FIELDS, *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS,
@@ -239,7 +237,7 @@ class DrafterConfig:
             sliding_window=window, rope=rope, raw=given, is_causal=is_causal,
             input_embedding_scale=1.0 if scale is None else float(scale),
             output_multiplier=float(fields.dflash("output_multiplier") or 1.0),
-            final_logit_softcapping=_softcap(fields.dflash("final_logit_softcapping")),
+            final_logit_softcapping=float(softcap) if (softcap := fields.dflash("final_logit_softcapping")) else None,
             architecture=architecture, **_dflash2_shapes(fields, architecture, hidden),
             draft_vocab_size=raw["draft_vocab_size"] if raw.get("draft_vocab_size") not in (None, raw.get("vocab_size"))
             else None,
@@ -248,11 +246,6 @@ class DrafterConfig:
             verifier_architectures=tuple(raw["verifier_architectures"]) if raw.get("verifier_architectures") else None,
             source_format="speculators" if speculators else "published",
         )
-
-
-def _softcap(value: Any) -> float | None:
-    """final_logit_softcapping as z-lab applies it: a cap above 0, else none (null, 0)."""
-    return float(value) if value is not None and value > 0 else None
 
 
 def read_drafter_config(path: str | Path, mask_token_id: int | None = None, tokenizer: Any = None) -> DrafterConfig:
@@ -329,22 +322,14 @@ def fallback_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[in
 
 
 # ----------------------------------------------------------------------------------------------
-# Validation: the steps of DrafterConfig.from_dict
-
-
-def _is_int(value: object) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> TypeGuard[int | float]:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+# Validation: the steps of DrafterConfig.from_dict (the values' own checks: config_values.py)
 
 
 class _Fields:
     """config.json as read: the DFlash lookup order, and errors/warnings that name the file."""
 
-    def __init__(self, raw: dict[str, Any], source: str):
-        self.raw, self.source = raw, source
+    def __init__(self, raw: dict[str, Any], source: str, nested_in_file: bool = True):
+        self.raw, self.source, self.nested_in_file = raw, source, nested_in_file
         self.nested = raw.get("dflash_config") or {}
         if not isinstance(self.nested, dict):
             self.fail(f"'dflash_config' must be an object, got {type(self.nested).__name__}")
@@ -364,8 +349,8 @@ class _Fields:
         return top if nested is None else nested
 
     def name(self, key: str) -> str:
-        """Where a DFlash field was found, for messages."""
-        return f"dflash_config.{key}" if self.nested.get(key) is not None else key
+        """Where a DFlash field was found in the file, for messages."""
+        return f"dflash_config.{key}" if self.nested_in_file and self.nested.get(key) is not None else key
 
     def required(self, key: str) -> int:
         """The top-level integer field `key` (>= 1), which every drafter config must give."""
@@ -378,14 +363,21 @@ class _Fields:
 
     def integer(self, key: str, value: Any, minimum: int) -> int | None:
         """`value` (read from field `key`), refused unless null or an integer >= minimum."""
-        if value is not None and not (_is_int(value) and value >= minimum):
-            self.fail(f"{key} must be an integer >= {minimum}, got {value!r}")
+        if value is not None and (problem := integer_problem(value, minimum)):
+            self.fail(f"{key} {problem}")
+        return value
+
+    def number(self, key: str, value: Any, zero_allowed: bool = False, meaning: str = "") -> float | None:
+        """`value` (read from field `key`, a DFlash field named where it was found), refused unless null or a finite
+        number above 0 (or 0, zero_allowed); `meaning`, what the number does, ends the message."""
+        if value is not None and (problem := number_problem(value, zero_allowed)):
+            self.fail(f"{self.name(key) if key in DFLASH_FIELDS else key} {problem}{meaning and f' ({meaning})'}")
         return value
 
     def boolean(self, key: str, value: Any) -> bool | None:
         """`value` (read from field `key`), refused unless null, true or false."""
-        if value is not None and not isinstance(value, bool):
-            self.fail(f"{key} must be true, false or null, got {value!r}")
+        if problem := boolean_problem(value):
+            self.fail(f"{key} {problem}")
         return value
 
 
@@ -413,27 +405,27 @@ def _refuse_unimplemented(fields: _Fields, reduced_vocabulary: bool = False) -> 
                         "score this checkpoint with its own reference implementation")
     for key, (off, effect) in SWITCHES.items():
         value = fields.dflash(key) if key in DFLASH_FIELDS else raw.get(key)
-        if value is not None and value not in off:
-            fields.fail(f"{fields.name(key)} = {value!r} switches on {effect}, which this DFlash implementation does "
-                        f"not compute; the score would be wrong. Supported: {' or '.join(map(repr, off)) or 'absent'}")
+        # off as its own type: to Python true == 1, so `partial_rotary_factor: true` would pass as 1
+        if value is not None and not any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off):
+            fields.fail(f"{fields.name(key)} = {shown(value)} switches on {effect}, which this DFlash implementation "
+                        "does not compute; the score would be wrong. Supported: "
+                        f"{' or '.join(map(shown, off)) or 'absent'}")
     # SpecForge writes draft_vocab_size into every export; only EAGLE-style drafters shrink it (d2t/t2d maps)
-    draft_vocab = raw.get("draft_vocab_size")
-    if draft_vocab is not None and draft_vocab != raw.get("vocab_size") and not reduced_vocabulary:
-        fields.fail(f"draft_vocab_size {draft_vocab!r} != vocab_size {raw.get('vocab_size')!r}: a reduced draft "
+    vocab = fields.integer("vocab_size", raw.get("vocab_size"), 1)
+    draft_vocab = fields.integer("draft_vocab_size", raw.get("draft_vocab_size"), 1)
+    if draft_vocab is not None and draft_vocab != vocab and not reduced_vocabulary:
+        fields.fail(f"draft_vocab_size {draft_vocab} != vocab_size {shown(vocab)}: a reduced draft "
                     "vocabulary (EAGLE-style token maps), which DFlash drafters do not have and this implementation "
                     "does not compute")
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         fields.fail(f"hidden_act {act!r}: DFlash drafters use SwiGLU ('silu'); this implementation computes nothing "
                     "else")
-    # Logit transforms z-lab's reference applies before its argmax or sampling (DrafterConfig reads them).
-    multiplier = fields.dflash("output_multiplier")
-    if multiplier is not None and not (_is_number(multiplier) and multiplier > 0):
-        fields.fail(f"{fields.name('output_multiplier')} = {multiplier!r}: a drafter's logits are scaled by a positive "
-                    "multiplier (a negative or zero one would turn its drafts around)")
-    softcap = fields.dflash("final_logit_softcapping")
-    if softcap is not None and not _is_number(softcap):
-        fields.fail(f"{fields.name('final_logit_softcapping')} must be a number or null, got {softcap!r}")
+    # Logit transforms z-lab's reference applies before its argmax or sampling (DrafterConfig reads them): a negative
+    # or zero multiplier would turn the drafts around, an infinite one makes q NaN; the cap's 0 (or null) is none
+    fields.number("output_multiplier", fields.dflash("output_multiplier"), meaning="the drafter's logits are scaled by it")
+    fields.number("final_logit_softcapping", fields.dflash("final_logit_softcapping"), zero_allowed=True,
+                  meaning="the cap of tanh(x / cap) * cap on the logits; 0 or null: no cap")
 
 
 def _dflash2_shapes(fields: _Fields, architecture: str, hidden: int) -> dict[str, int | None]:
@@ -470,6 +462,7 @@ def _attention_layout(fields: _Fields, num_layers: int) -> tuple[tuple[str, ...]
     sliding_window = fields.integer("sliding_window", raw.get("sliding_window"), 1)
     swa_window = fields.integer(fields.name("swa_window_size"), fields.dflash("swa_window_size"), 1)
     use_swa = fields.boolean(fields.name("use_swa"), fields.dflash("use_swa"))
+    first_sliding = fields.integer("max_window_layers", raw.get("max_window_layers"), 0)  # (checked, read or not)
 
     layer_types = raw.get("layer_types")
     if layer_types is None:
@@ -478,7 +471,6 @@ def _attention_layout(fields: _Fields, num_layers: int) -> tuple[tuple[str, ...]
                         "sliding window is ambiguous (MiMo-style loaders slide every layer, transformers none). "
                         "Add layer_types ('full_attention'/'sliding_attention' per layer).")
         # as transformers' Qwen3Config derives them (z-lab's reference and SGLang see these)
-        first_sliding = fields.integer("max_window_layers", raw.get("max_window_layers"), 0)
         if first_sliding is None:
             first_sliding = 28  # Qwen3Config's default
         slides = use_sliding and sliding_window is not None
@@ -524,9 +516,14 @@ def _rope_config(fields: _Fields, hidden: int, num_heads: int, num_kv_heads: int
     names = ("rope_theta", "rope_scaling", "rope_parameters", "max_position_embeddings")
     rope_fields = {k: raw[k] for k in names if raw.get(k) is not None}
     parameters, scaling = rope_fields.get("rope_parameters"), rope_fields.get("rope_scaling")
+    # transformers only warns about a NaN, negative or boolean RoPE number, and computes with it
+    fields.number("rope_theta", rope_fields.get("rope_theta"), meaning="RoPE's base")
+    fields.integer("max_position_embeddings", rope_fields.get("max_position_embeddings"), 1)
     for key, value in (("rope_parameters", parameters), ("rope_scaling", scaling)):
         if value is not None and not isinstance(value, dict):
-            fields.fail(f"{key} must be an object or null, got {value!r}")
+            fields.fail(f"{key} must be an object or null, got {shown(value)}")
+        if value is not None and (problem := rope_problem(value)):
+            fields.fail(f"{key}.{problem}")
     # transformers silently prefers rope_parameters when both are given: a disagreement is a broken export
     if parameters is not None:
         theta = rope_fields.get("rope_theta")
@@ -539,9 +536,9 @@ def _rope_config(fields: _Fields, hidden: int, num_heads: int, num_kv_heads: int
                         "trained with")
     for where, settings in (("rope_parameters", parameters), ("rope_scaling", scaling)):
         factor = (settings or {}).get("partial_rotary_factor")
-        if factor is not None and factor != 1:
+        if factor is not None and (factor != 1 or isinstance(factor, bool)):
             effect = SWITCHES["partial_rotary_factor"][1]
-            fields.fail(f"{where}.partial_rotary_factor = {factor!r} switches on {effect}, which this DFlash "
+            fields.fail(f"{where}.partial_rotary_factor = {shown(factor)} switches on {effect}, which this DFlash "
                         "implementation does not compute")
     try:
         rope = Qwen3Config(hidden_size=hidden, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -569,13 +566,12 @@ def _token_of(tokenizer: Any, token: str, fields: _Fields, key: str) -> int:
 def _mask_token_id(fields: _Fields, override: int | None, tokenizer: Any) -> int:
     """The mask token's id: the caller's override, else dflash_config's id or token string (resolved by tokenizer)."""
     if override is not None:  # the caller's id (older checkpoints relied on a '<|MASK|>' added at run time)
-        if not (_is_int(override) and override >= 0):
-            raise DrafterError(f"mask_token_id must be an integer >= 0, got {override!r}")
+        if problem := integer_problem(override, 0):
+            raise DrafterError(f"mask_token_id {problem}")
         return override
     key = fields.name("mask_token_id")
     token_id, token = fields.dflash("mask_token_id"), fields.dflash("mask_token")
-    if token_id is not None and not (_is_int(token_id) and token_id >= 0):
-        fields.fail(f"{key} must be an integer >= 0, got {token_id!r}")
+    fields.integer(key, token_id, 0)
     if token is not None:
         token_key = fields.name("mask_token")
         if not isinstance(token, str) or not token:

@@ -19,6 +19,10 @@ With sampled drafts (dflash_core.sampled_drafts) a prompt's steps are known in e
 coins (`PromptScore.expected`): its tau is the expected tau, and the counts below (steps, tokens, histogram,
 positions, clipped steps) are expected counts; `acceptance_lengths` then hold one draw of the coins.
 
+No decoding gives a tau below 1 (a step emits the target's token at least) or above B (it verifies B tokens), nor
+one that is not a number: `summarize` refuses such a tau (ImpossibleTau) rather than let a bug or bad numbers
+upstream (a drafter's logits made NaN) be stored as a result.
+
 A reference ends where the target stopped, so a prompt's last step can only be compared against the
 tokens the reference holds: when that step accepted all of them and its block reached past the end,
 it is *clipped* (it might have been longer had the target gone on). Online decoding stops at the
@@ -29,6 +33,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+
+class ImpossibleTau(ValueError):
+    """A tau no decoding can give (below 1, above the tokens a step verifies, or not a number): never stored."""
+
 
 # Draft/target forward-cost ratios the scores project speedups for (a 5-layer drafter over a 64-layer
 # target is ~0.05-0.1 of a target forward).
@@ -368,6 +377,28 @@ def benchmark_summary(prompts: Sequence[PromptScore], groups: dict[str, str], dr
     return {"benchmarks": benchmarks, "groups": averages}
 
 
+def check_taus(prompts: Sequence[PromptScore], block_size: int) -> None:
+    """Refuse (ImpossibleTau) a step's acceptance length, a prompt's tau or the pooled tau outside [1, block_size] or
+    not a number: each step emits 1 to block_size tokens (the tokens it verifies), so any mean of them, or
+    expectation, lies there."""
+    slack = 1e-9 * block_size  # an expectation's rounding
+
+    def outside(value: float) -> bool:
+        return not 1 - slack <= value <= block_size + slack  # (NaN too)
+
+    bad: list[tuple[str, float]] = [(f"an acceptance length of prompt {p.id}", a) for p in prompts
+                                    for a in p.acceptance_lengths if outside(a)]
+    bad += [(f"the tau of prompt {p.id}", p.tau) for p in prompts if outside(p.tau)]
+    bad += [("tau_pooled", pooled) for pooled in [tau_pooled(prompts)] if outside(pooled)]
+    if bad:
+        name, value = bad[0]
+        raise ImpossibleTau(
+            f"{name}, {value:g}, lies outside [1, {block_size}]{f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}: "
+            f"a step emits 1 to {block_size} tokens, so no decoding gives it, and no tau is stored. It comes from a bug "
+            "or from numbers that are not finite upstream: check the drafter's config (its numbers) and weights, the "
+            "target's weights, and the store (dflash-eval verify)")
+
+
 def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool = False) -> dict:
     """The scores record: tau (macro, pooled), histogram, clipped steps and per-prompt detail (JSON-able).
 
@@ -378,6 +409,7 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
     scored = [p for p in prompts if p.acceptance_lengths]
     if not scored:
         raise ValueError("no prompt has a decode step to score (every reference ends right after its prompt)")
+    check_taus(scored, block_size)
     categories = sorted({p.category for p in scored if p.category is not None})
     return {
         "tau_macro": tau_macro(scored),

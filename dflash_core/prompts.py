@@ -47,9 +47,11 @@ serving settings:
 `input_ids` + `completion_ids` are used as they are. A `text` or `messages` prompt (as above)
 with a `completion` text is tokenized with the target's tokenizer, the completion without
 special tokens, and flagged as re-tokenized (the ids a server emitted may differ). An id may
-repeat: its lines are samples of one prompt (`<id>#s<k>`, k from 0 in file order).
+repeat: its lines are samples of one prompt (`<id>#s<k>`, k from 0 in file order), so they hold
+the same prompt; a line whose id is one a sample takes (`p00#s0` beside two `p00`) is refused.
 """
 
+import difflib
 import json
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -227,13 +229,13 @@ def _apply_chat_template(tokenizer, messages: list[dict], thinking: bool, field:
         raise at.error(f"the chat template failed on these messages: {error}", field) from error
 
 
-def _read_input_ids(value, at: _Line) -> list[int]:
+def _read_input_ids(value, at: _Line, field: str = "input_ids") -> list[int]:
     if not isinstance(value, list):
-        raise at.error(f"must be a list of non-negative integers, got {_type_name(value)}", "input_ids")
+        raise at.error(f"must be a list of non-negative integers, got {_type_name(value)}", field)
     for i, token in enumerate(value):
         if not _is_int(token) or token < 0:
             raise at.error(
-                f"item {i} is {json.dumps(token)}; token ids must be non-negative integers", "input_ids"
+                f"item {i} is {json.dumps(token)}; token ids must be non-negative integers", field
             )
     return value
 
@@ -407,9 +409,13 @@ def resolve_prompts(name_or_path: str) -> Path:
     if path.is_dir():
         raise PromptError(f"{name_or_path} is a directory, not a prompt file; give the JSONL file in it (or a suite: "
                           f"{', '.join(PROMPT_SUITES)})")
+    from .published.benchmarks import ALIASES, BENCHMARKS  # (they import nothing of this module)
+
+    near = difflib.get_close_matches(name_or_path.lower(), [*PROMPT_SUITES, *BENCHMARKS, *ALIASES], n=1, cutoff=0.6)
     raise PromptError(
-        f"{name_or_path}: no such prompt file, and not a prompt suite; give a path to a JSONL file or one of "
-        f"the suites: {', '.join(PROMPT_SUITES)}"
+        f"{name_or_path}: no such prompt file, and neither a prompt suite nor a published benchmark"
+        + (f" (did you mean {near[0]}?)" if near else "") + f"; give a path to a JSONL file, a suite "
+        f"({', '.join(PROMPT_SUITES)}) or published benchmarks ({', '.join([*BENCHMARKS, *ALIASES])})"
     )
 
 
@@ -433,7 +439,7 @@ def _read_completion(record: dict, at: _Line, tokenizer, thinking: bool, vocab_s
                            "or 'messages' with a 'completion' text", "completion_ids")
         prompt = _read_record({k: record[k] for k in ("id", "category", "input_ids") if k in record}, at, tokenizer,
                               thinking, vocab_size)
-        completion = _read_input_ids(record["completion_ids"], at)
+        completion = _read_input_ids(record["completion_ids"], at, "completion_ids")
         field, retokenized = "completion_ids", False
     elif "completion" in record:
         prompt_fields = {k: record[k] for k in ("id", "category", "text", "messages") if k in record}
@@ -455,20 +461,34 @@ def _read_completion(record: dict, at: _Line, tokenizer, thinking: bool, vocab_s
 
 def read_completions(path, tokenizer, *, thinking: bool = False, vocab_size: int | None = None) -> list[GivenCompletion]:
     """Read a completions file (see the module docstring), in file order; the first problem raises
-    `PromptError` naming the file, line and field."""
+    `PromptError` naming the file, line and field. Lines that share an id are samples of one prompt, so they must
+    share its prompt; and no two completions may end up with one id (`p00#s0` given beside a `p00` that repeats)."""
     path = Path(path)
     lines = []
     for at, record in _json_objects(path, "completions file"):
-        lines.append(_read_completion(record, at, tokenizer, thinking, vocab_size))
+        lines.append((at, *_read_completion(record, at, tokenizer, thinking, vocab_size)))
     if not lines:
         raise PromptError(f"{path}: no completions (the file is empty or only blank lines); write one JSON object "
                           "per line")
-    counts = Counter(line_id for line_id, *_ in lines)
+    counts = Counter(line_id for _, line_id, *_ in lines)
+    first_of: dict[str, tuple[int, tuple[int, ...]]] = {}  # an id: its first line and prompt
+    named: dict[str, tuple[int, str]] = {}  # a completion's id: its line, and how the line came to it
     seen: dict[str, int] = {}  # samples of each id so far
     completions = []
-    for line_id, category, input_ids, completion_ids, retokenized in lines:
+    for at, line_id, category, input_ids, completion_ids, retokenized in lines:
+        first_line, first_prompt = first_of.setdefault(line_id, (at.number, input_ids))
+        if input_ids != first_prompt:
+            raise at.error(f"{line_id!r} is also line {first_line}'s id, with another prompt: the lines of one id "
+                           "are samples of one prompt; give this prompt an id of its own", "id")
         k = seen[line_id] = seen.get(line_id, -1) + 1
         repeated = counts[line_id] > 1
-        completions.append(GivenCompletion(f"{line_id}#s{k}" if repeated else line_id, line_id if repeated else None,
-                                           category, input_ids, completion_ids, retokenized))
+        completion_id = f"{line_id}#s{k}" if repeated else line_id
+        how = f"sample {k} of {line_id!r}, an id that repeats" if repeated else "its id"
+        if completion_id in named:
+            other, other_how = named[completion_id]
+            raise at.error(f"{completion_id!r} names two completions: line {other}'s ({other_how}) and line "
+                           f"{at.number}'s ({how}); give one of them another id", "id")
+        named[completion_id] = (at.number, how)
+        completions.append(GivenCompletion(completion_id, line_id if repeated else None, category, input_ids,
+                                           completion_ids, retokenized))
     return completions

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .metrics import ImpossibleTau
 from .sampling import Sampling
 
 
@@ -48,9 +49,11 @@ class SampledDrafts:
 
 
 def acceptance(q_of_y: torch.Tensor, p_of_y: torch.Tensor) -> torch.Tensor:
-    """a = min(1, q(y) / p(y)) elementwise (1 where p(y) = 0 < q(y), 0 where both are)."""
-    return torch.where(p_of_y > 0, (q_of_y / p_of_y.clamp_min(torch.finfo(p_of_y.dtype).tiny)).clamp(max=1.0),
-                       (q_of_y > 0).to(q_of_y.dtype))
+    """a = min(1, q(y) / p(y)) elementwise (1 where p(y) = 0 < q(y), 0 where both are; NaN where either is NaN, which
+    expected_steps refuses: a NaN p must not read as p = 0, accepting every draft)."""
+    a = torch.where(p_of_y > 0, (q_of_y / p_of_y.clamp_min(torch.finfo(p_of_y.dtype).tiny)).clamp(max=1.0),
+                    (q_of_y > 0).to(q_of_y.dtype))
+    return torch.where(q_of_y.isnan() | p_of_y.isnan(), torch.nan, a)
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,15 @@ def expected_steps(a: np.ndarray, prompt_len: int, end: int, length: int, block_
     """The expectation over the acceptance coins of one reference's decode steps (module docstring).
 
     a: [end - 1 - prompt_len, B - 1] acceptance probabilities, one row per block start prompt_len .. end-2;
-    end: where decoding stops (the reference's end); length: the tokens R holds (end, or more with lookahead)."""
+    end: where decoding stops (the reference's end); length: the tokens R holds (end, or more with lookahead).
+    ImpossibleTau when an acceptance probability is not a number: the paths through it would drop out, leaving a
+    tau too low (0 when every one is NaN) that looks like a result."""
+    if not np.isfinite(a).all():
+        raise ImpossibleTau(
+            f"{int((~np.isfinite(a)).sum())} of the {a.size} acceptance probabilities min(1, q/p) of a reference are "
+            "not numbers: the drafter's q or the target's p is NaN there, so its tau cannot be computed and none is "
+            "stored. Check the drafter's config numbers (output_multiplier, final_logit_softcapping) and weights, and "
+            "the target's weights")
     B = block_size
     first = prompt_len
     histogram, reached, accepted = np.zeros(B), np.zeros(B - 1), np.zeros(B - 1)

@@ -175,11 +175,12 @@ class Served:
 
     @property
     def label(self) -> str:
-        """"greedy", "T=0.6 top-k 20, 8 samples per prompt, seed 0", "given completions", then ", sampled drafts"
+        """"greedy", "T=0.6 top-k 20, 8 samples per prompt, seed 0", "given completions" (", T=0.6 top-k 20" with
+        sampled drafts over them), then ", sampled drafts"
         (with " (q at the temperature only)" where that differs) when drafts are sampled, then ", blocks of 4" when a
         block size is chosen."""
-        if self.given:
-            made = "given completions"
+        if self.given:  # (sampling settings only where sampled drafts need them: the target's p and the drafter's q)
+            made = "given completions" + ("" if self.sampling.greedy else f", {self.sampling.describe()}")
         elif self.sampling.greedy:
             made = "greedy"
         else:
@@ -198,7 +199,7 @@ class Served:
         """Prefect tags of a run served so, to filter by (none when greedy at the drafter's block size)."""
         tags = []
         if self.given:
-            tags.append("references:given")
+            tags += ["references:given", *([] if self.sampling.greedy else [f"sampling:{self.sampling.describe()}"])]
         elif not self.sampling.greedy:
             tags += [f"sampling:{self.sampling.describe()}", f"samples:{self.samples}"]
         if self.draft_sample_method != "greedy":
@@ -219,8 +220,8 @@ class Served:
                     draft_sampling: dict | None = None) -> "Served":
         """The served setting a references record's `sampling` (None: greedy), whether its completions were given,
         and a drafts record's chosen block size and draft sampling (None: greedy drafts) describe."""
-        served = cls(given=given, block_size=block_size) if sampling is None else cls(
-            Sampling.from_identity(sampling), sampling["samples"], sampling["seed"], block_size, given)
+        served = cls(given=given, block_size=block_size) if sampling is None else cls(  # (given: the settings only)
+            Sampling.from_identity(sampling), sampling.get("samples", 1), sampling.get("seed", 0), block_size, given)
         if draft_sampling is None:
             return served
         return replace(served, draft_sample_method="probabilistic",

@@ -21,8 +21,10 @@ config.json is its own, told apart by `speculators_model_type` (dflash, dflash2)
 SPECULATORS_FIELDS), so that DrafterConfig reads, checks and refuses every field as for any drafter.
 """
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
+
+from .config_values import boolean_problem, integer_problem, layer_ids_problem, shown
 
 
 class SpeculatorsConfigError(ValueError):
@@ -69,9 +71,9 @@ def published_config(raw: dict[str, Any], source: str, dflash_fields: Iterable[s
     if not isinstance(layer, dict):
         fail("a speculators config needs transformer_layer_config (the drafter's Qwen3 fields), got "
              f"{type(layer).__name__}")
-    aux = raw.get("aux_hidden_state_layer_ids")
-    if not (isinstance(aux, list) and aux and all(isinstance(i, int) and not isinstance(i, bool) for i in aux)):
-        fail(f"aux_hidden_state_layer_ids must be a non-empty list of layer ids, got {aux!r}")
+    aux: Any = raw.get("aux_hidden_state_layer_ids")
+    if problem := layer_ids_problem(aux, 0):
+        fail(f"aux_hidden_state_layer_ids {problem}")
     if min(aux) < 1:
         fail(f"aux_hidden_state_layer_ids {aux}: id 0 is the target's embeddings (hidden_states[0]), which "
              "dflash-eval does not extract; the ids it reads are 1 .. the target's layers")
@@ -83,31 +85,58 @@ def published_config(raw: dict[str, Any], source: str, dflash_fields: Iterable[s
     published = {key: value for key, value in layer.items() if key not in ("architectures", "dflash_config")}
     vocab = layer.get("vocab_size")
     hidden = layer.get("hidden_size")
+    for key in ("target_hidden_size", "draft_vocab_size"):  # (the layer's own numbers are checked as published ones)
+        if raw.get(key) is not None and (problem := integer_problem(raw[key], 1)):
+            fail(f"{key} {problem}")
+    if vocab is not None and (problem := integer_problem(vocab, 1)):  # (compared with draft_vocab_size below)
+        fail(f"transformer_layer_config.vocab_size {problem}")
     if raw.get("target_hidden_size") not in (None, hidden):
         fail(f"target_hidden_size {raw['target_hidden_size']} differs from the drafter's hidden_size {hidden}: a "
              "drafter reading features of another width, which DFlash drafters are not")
     draft_vocab = raw.get("draft_vocab_size")
-    if draft_vocab is not None and not (isinstance(draft_vocab, int) and isinstance(vocab, int) and 1 <= draft_vocab <= vocab):
-        fail(f"draft_vocab_size must be an integer from 1 to vocab_size ({vocab!r}), got {draft_vocab!r}")
+    if draft_vocab is not None and vocab is not None and draft_vocab > vocab:
+        fail(f"draft_vocab_size must be an integer from 1 to transformer_layer_config.vocab_size ({vocab}), got "
+             f"{draft_vocab}")
     if draft_vocab is not None and draft_vocab != vocab and kind == "dflash2":
         fail(f"draft_vocab_size {draft_vocab} < vocab_size {vocab}: a DFlash2 selector chooses among the full "
              "vocabulary's tokens (speculators refuses to train this too)")
     dflash = {key: raw[key] for key in dflash_fields if raw.get(key) is not None and key != "block_size"}
     dflash["target_layer_ids"] = [i - 1 for i in aux]
     non_causal = raw.get("sliding_window_non_causal")
-    if non_causal is not None and not isinstance(non_causal, bool):
-        fail(f"sliding_window_non_causal must be true or false, got {non_causal!r}")
     from_anchor = raw.get("sample_from_anchor", False)
-    if not isinstance(from_anchor, bool):
-        fail(f"sample_from_anchor must be true or false, got {from_anchor!r}")
-    verifier = (raw.get("speculators_config") or {}).get("verifier") or {}
+    for key, value in (("sliding_window_non_causal", non_causal), ("sample_from_anchor", from_anchor)):
+        if problem := boolean_problem(value):
+            fail(f"{key} {problem}")
+    verifier = _verifier(raw.get("speculators_config"), fail)
     published.update({
         "architectures": [MODEL_TYPES[kind]],
         "block_size": raw.get("block_size"),
         "draft_vocab_size": draft_vocab if draft_vocab is not None else vocab,
         "dflash_config": dflash,
-        "drafts_from_anchor": from_anchor,
+        "drafts_from_anchor": bool(from_anchor),
         "sliding_semantics": "non_causal" if non_causal else "causal",
         "verifier_architectures": verifier.get("architectures"),
     })
     return published
+
+
+def _verifier(speculators_config: Any, fail: Callable[[str], NoReturn]) -> dict[str, Any]:
+    """speculators_config.verifier (the target it was trained against: only its architectures are kept), each level
+    an object or null, its architectures a list of class names; {} when it names none."""
+    if speculators_config is None:
+        return {}
+    if not isinstance(speculators_config, dict):
+        fail(f"speculators_config must be an object (speculators writes its algorithm, proposal methods and verifier "
+             f"there) or null, got {shown(speculators_config)}")
+    verifier = speculators_config.get("verifier")
+    if verifier is None:
+        return {}
+    if not isinstance(verifier, dict):
+        fail(f"speculators_config.verifier must be an object ({{\"architectures\": [...], \"name_or_path\": ...}}) "
+             f"or null, got {shown(verifier)}")
+    architectures = verifier.get("architectures")
+    if architectures is not None and not (isinstance(architectures, list)
+                                          and all(isinstance(a, str) for a in architectures)):
+        fail("speculators_config.verifier.architectures must be a list of model class names (e.g. "
+             f"[\"Qwen3ForCausalLM\"]) or null, got {shown(architectures)}")
+    return verifier

@@ -15,6 +15,7 @@ fails with it as its state message.
 The checks only read, except the store's write probe, made last, once everything else is known good.
 """
 
+import difflib
 import importlib.util
 import json
 import os
@@ -52,7 +53,7 @@ from dflash_eval.services.relay.client import RelayError
 from dflash_eval.storage import Store
 from dflash_eval.storage.object_storage import ObjectStorageError
 from dflash_eval.tasks.cluster import ClusterUnreachable, check_cluster
-from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, read_config
+from dflash_eval.tasks.fetch import CheckpointError, await_checkpoint, is_relay_url, local_path, read_config
 from dflash_eval.tasks.progress import stage_logger
 from dflash_eval.tasks.references import PromptChoice, load_prompts
 from dflash_eval.tasks.target import DtypeChoice, resolve_dtype, target_tokenizer
@@ -116,8 +117,8 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
     if checkpoints.drafter_config and not Path(checkpoints.drafter_config).is_file():
         raise InputError(f"{name('drafter_config')} {checkpoints.drafter_config}: no such file (the drafter's "
                          "config.json, for checkpoints saved without one)")
-    if training.mlflow and importlib.util.find_spec("mlflow") is None:
-        raise InputError(f"{name('mlflow')} needs the mlflow package: pip install 'dflash-eval[mlflow]'")
+    if training.mlflow and (problem := mlflow_uri_problem(training.mlflow)):
+        raise InputError(f"{name('mlflow')} {problem}")
     check_dask_address(evaluation.compute.dask_address)
     if problem := store_problem(evaluation.output.store, name("store")):
         raise InputError(problem)
@@ -140,8 +141,11 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
         if source is None:
             continue
         try:
-            configs[which] = config = _read_drafter_source(source, tokenizer, drafter_config=config_file,
-                                                           **fetch_options)
+            if which == "drafter":
+                configs[which] = config = _read_drafter_source(source, tokenizer, drafter_config=config_file,
+                                                               **fetch_options)
+            else:
+                configs[which] = config = _read_baseline(source, tokenizer, name("baseline"), **fetch_options)
         except DrafterError as e:  # (the message names the file)
             raise InputError(f"{which}: {e}") from None
         try:
@@ -270,6 +274,9 @@ def check_given_references(path: str, target: str, thinking: bool, target_config
                                        vocab_size=target_config.vocab_size)
     except PromptError as e:
         raise InputError(f"{option} {e}") from None
+    if all(len(c.completion_ids) < 2 for c in completions):  # else the scores stage fails, after the work
+        raise InputError(f"{option} {path}: no completion holds two tokens, so none has a decode step to score (the "
+                         "target's first token, then one to verify a draft against); give longer completions")
     longest = max(completions, key=lambda c: len(c.input_ids) + len(c.completion_ids))
     if target_config.max_positions is not None and \
             len(longest.input_ids) + len(longest.completion_ids) > target_config.max_positions:
@@ -277,6 +284,22 @@ def check_given_references(path: str, target: str, thinking: bool, target_config
                          f"{len(longest.completion_ids)} completion tokens, more than the target's "
                          f"{target_config.max_positions} positions; leave it out or shorten it")
     return len(completions)
+
+
+def _read_baseline(source: str, tokenizer, option: str, **fetch_options) -> DrafterConfig:
+    """The baseline's config: a baseline is a finished checkpoint (the published drafter, another run's save), so it
+    is taken as it is, never waited for, and a mistyped one is refused at once, named as the baseline."""
+    if not is_relay_url(source) and not local_path(source).exists():
+        folder = local_path(source).absolute()
+        try:
+            siblings = [p.name for p in folder.parent.iterdir() if p.is_dir()]
+        except OSError:  # no such folder either, or one this user cannot list
+            siblings = []
+        near = difflib.get_close_matches(folder.name, siblings, n=1, cutoff=0.75)
+        raise InputError(f"{option} {source}: no such folder" + (f" (did you mean {near[0]}?)" if near else "")
+                         + "; give a finished drafter checkpoint's folder or its relay URL")
+    options = {**fetch_options, "wait_seconds": 0, "settle_seconds": 0}
+    return _read_drafter_source(source, tokenizer, role="baseline", **options)
 
 
 def _read_drafter_source(drafter: str, tokenizer, drafter_config: str | None = None, **wait_options) -> DrafterConfig:
@@ -289,6 +312,24 @@ def _read_drafter_source(drafter: str, tokenizer, drafter_config: str | None = N
     except (CheckpointError, RelayError, OSError) as e:
         raise InputError(str(e)) from None
     return DrafterConfig.from_dict(raw, source=f"{drafter} config.json ({config_source})", tokenizer=tokenizer)
+
+
+def mlflow_uri_problem(uri: str) -> str | None:
+    """Why MLflow would not write to tracking URI `uri` (the package missing, a scheme no tracking store of MLflow's
+    or of a plugin's serves), or None. Found up front: MLflow itself would fail only after the scores were stored,
+    and then as a warning."""
+    if importlib.util.find_spec("mlflow") is None:
+        return "needs the mlflow package: pip install 'dflash-eval[mlflow]'"
+    try:  # MLflow's registry of tracking stores by URI scheme (plugins' included): what MlflowClient(uri) looks up
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+    except ImportError:  # (a private name: an MLflow that moved it is not asked)
+        return None
+    try:
+        _tracking_store_registry.get_store_builder(uri)
+    except Exception:  # noqa: BLE001 - MLflow raises its own kinds for an unknown scheme
+        return (f"{uri}: MLflow has no tracking store for this URI; give http://HOST:PORT of `mlflow server`, file:DIR, "
+                "a database URI (sqlite:///FILE, postgresql://...) or databricks")
+    return None
 
 
 def check_out(out: Path | None, folder: bool = False) -> None:

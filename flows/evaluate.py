@@ -79,8 +79,9 @@ def evaluate(checked: CheckedEvaluation):
             e.drafter, store, target, drafter_config=checkpoints.drafter_config, include=checkpoints.include,
             refresh="fetch" in refresh, return_state=True, **waits))
     if inputs.baseline is not None and checked.runs("scores"):
-        baseline = runs.add("baseline fetch", fetch_checkpoint(
-            inputs.baseline, store, target, refresh="fetch" in refresh, return_state=True, **waits))
+        baseline = runs.add("baseline fetch", fetch_checkpoint(  # a finished checkpoint: taken as it is (checks.py)
+            inputs.baseline, store, target, refresh="fetch" in refresh, return_state=True,
+            **{**waits, "wait_seconds": 0, "settle_seconds": 0}))
         mark_baseline(baseline, store)
     if checked.runs("references"):
         refs = runs.add("references", generate_references(

@@ -4,7 +4,9 @@ Without PREFECT_API_URL, Prefect starts a uvicorn subprocess on the first API ca
 an atexit hook. A command killed with SIGKILL (the OOM killer, `kill -9`, a CI timeout) runs no atexit
 hook, so the server outlived it, forever. Here the same server is started through a launcher that asks
 Linux to SIGTERM it when its parent dies (PR_SET_PDEATHSIG, kept across exec), then execs the command
-Prefect runs. SIGTERM, not SIGKILL: uvicorn shuts down cleanly and SQLite closes its database.
+Prefect runs. SIGTERM, not SIGKILL: uvicorn shuts down cleanly and SQLite closes its database. The server runs
+in a session of its own, so that Ctrl-C at a terminal stops the command, which then stops the server, not both at
+once.
 
 The death signal follows the *thread* that forked the child, not the process, and Prefect may start
 the server from its events thread: `tie_local_server()` starts it from the main thread, before the
@@ -175,8 +177,11 @@ class TiedServer(SubprocessASGIServer):
     def _run_uvicorn_command(self):
         if not sys.platform.startswith("linux"):  # no PR_SET_PDEATHSIG: Prefect's own behaviour
             return super()._run_uvicorn_command()
+        # a session of its own: Ctrl-C at a terminal signals the command's whole process group, and a server stopped
+        # with it would leave the command's last calls (its run marked stopped) failing with tracebacks; it stops
+        # when the command ends (atexit, or the death signal)
         return subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(os.getpid()), *self.uvicorn_args()],
-                                env=self.uvicorn_env())
+                                env=self.uvicorn_env(), start_new_session=True)
 
 
 def launch_local_server() -> SubprocessASGIServer | None:

@@ -24,7 +24,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dflash_core.choices import DEFAULT_REPLAY_GROUP
-from dflash_core.published.benchmarks import BenchmarkError, benchmark_names
+from dflash_core.published.benchmarks import BenchmarkError, benchmark_names, read_data_option
 from dflash_core.published.protocols import DEFAULT_PROTOCOL, PROTOCOLS, ProtocolName
 
 # The stages of an evaluation, in pipeline order (the store's other stages are bookkeeping: baselines, shards); the
@@ -43,6 +43,14 @@ SlidingSemanticsName = Literal["causal", "non_causal"]
 # users; it imports torch, so they are written out here, and tests/test_bad_input.py checks they agree).
 MIN_TEMPERATURE = 0.01
 MAX_TEMPERATURE = 2.0
+# A decode step needs two completion tokens: the first, which the target emits after the prompt (the block's anchor),
+# and one after it to verify a draft against, whatever the block size (at least 2). One new token leaves no step to
+# score, and the run would fail only in the scores stage, after references, features and drafts were stored.
+MIN_NEW_TOKENS = 2
+# Sampled completions per prompt: a guard against a slip (`--samples 1000000000`), far past any useful count. Each is
+# a reference of its own, with its own features stored; past a few dozen, tau's interval hardly narrows (the spread
+# between prompts sets it): more prompts help where more samples do not.
+MAX_SAMPLES = 1000
 
 
 class SettingsError(ValueError):
@@ -89,9 +97,11 @@ class Inputs(Group):
     references: Annotated[str | None, Cli(path=True)] = Field(None, description=(
         "Completions you already have (a JSONL file: id, input_ids and completion_ids, or a text/messages prompt and "
         "a completion text), e.g. a server's logged outputs: stored as the references instead of generating them "
-        "(no --prompts needed)."))
-    max_new_tokens: int = Field(256, ge=1, description=(
-        "Reference length limit per prompt (default 256; published benchmarks: their protocol's 2048)."))
+        "(no --prompts needed). With --draft-sample-method probabilistic, --temperature and the other sampling "
+        "options say at which settings they were sampled."))
+    max_new_tokens: int = Field(256, ge=MIN_NEW_TOKENS, description=(
+        "Reference length limit per prompt, at least 2: a decode step needs the target's first token and one to "
+        "verify a draft against (default 256; published benchmarks: their protocol's 2048)."))
     thinking: bool = Field(False, description="enable_thinking in the chat template (a suite or a prompt file).")
     protocol: ProtocolName | None = Field(None, description=(
         "Published benchmarks: the version of z-lab's protocol that picks, templates, tokenizes and stops them: "
@@ -123,9 +133,11 @@ class Inputs(Group):
     def _benchmark_options(self) -> Self:
         if self.prompts is not None:
             try:
-                benchmark_names(self.prompts)
+                named = benchmark_names(self.prompts)
+                if named is not None:
+                    read_data_option(self.data, named)
             except BenchmarkError as e:
-                raise ValueError(str(e).replace("--prompts", "{prompts}")) from None
+                raise ValueError(str(e).replace("--prompts", "{prompts}").replace("--data", "{data}")) from None
         if self.benchmarks is None:
             given = [name for name in ("protocol", "data", "max_samples", "reasoning") if getattr(self, name)]
             if given:
@@ -171,8 +183,9 @@ class Serving(Group):
     top_p: float = Field(1.0, gt=0, le=1, description="Keep the most likely tokens holding this much mass (1: off).")
     min_p: float = Field(0.0, ge=0, lt=1, description=(
         "Drop tokens below this fraction of the most likely one's probability (0: off)."))
-    samples: int = Field(1, ge=1, description=(
-        "Sampled completions per prompt at a temperature above 0 (each a reference of its own; tau is their mean)."))
+    samples: int = Field(1, ge=1, le=MAX_SAMPLES, description=(
+        f"Sampled completions per prompt at a temperature above 0 (each a reference of its own; tau is their mean), "
+        f"at most {MAX_SAMPLES}."))
     seed: int = Field(0, ge=0, description=(
         "Seed of the sampled completions (each request's seed follows from it, the prompt and the sample)."))
     block_size: int | None = Field(None, ge=2, description=(
@@ -353,16 +366,32 @@ class Settings(BaseModel):
     @model_validator(mode="after")
     def _rules_between_groups(self) -> Self:
         sampled = self.serving.temperature > 0
-        if self.inputs.references is not None and (self.generation.reference != "local" or sampled
-                                                   or self.generation.lookahead):
-            raise ValueError("{references} FILE gives the completions: leave out {reference}, {temperature} (and the "
-                             "other sampling options) and {lookahead}, which say how to generate them")
+        given = self.inputs.references is not None
+        if given and (self.generation.reference != "local" or self.generation.lookahead or self.serving.samples != 1):
+            raise ValueError("{references} FILE gives the completions: leave out {reference}, {samples} and "
+                             "{lookahead}, which say how to generate them")
+        # over given completions the sampling settings say only what sampled drafts need: the target's p and the
+        # drafter's q at each token (greedy drafts are accepted iff they equal the token, whatever the settings)
+        if given and sampled and self.serving.draft_sample_method == "greedy":
+            raise ValueError("{references} FILE gives the completions: {temperature} (and the other sampling "
+                             "options) apply to them only with {draft_sample_method} probabilistic, where they set "
+                             "the target's p and the drafter's q each draft is accepted by; greedy drafts are "
+                             "accepted where they equal the token given, at any settings: leave them out")
         if self.inputs.prompts is None and self.inputs.references is None:
             raise ValueError("give {prompts} (a suite or a prompt file), or {references} FILE (completions you "
                              "already have)")
         if self.generation.lookahead and sampled:
             raise ValueError("{lookahead} applies to greedy references: tokens sampled past a stop are not the ones a "
                              "served run draws; leave it off with {temperature} above 0")
+        return self
+
+    @model_validator(mode="after")
+    def _completions_stand_alone(self) -> Self:
+        # (after the rules above, whose messages say more when they apply) a completions file holds its prompts: a
+        # prompt set beside it would be recorded as what was evaluated, and never read
+        if self.inputs.references is not None and self.inputs.prompts is not None:
+            raise ValueError("{references} FILE holds the prompts with their completions: leave out {prompts}, which "
+                             "would never be read")
         return self
 
     def evaluation(self, drafter: str, until: str = "scores", refresh: list[str] | None = None) -> "Evaluation":

@@ -96,7 +96,8 @@ class ReferencesRecord(_Record):
     unverified: int  # references a server gave as text whose re-tokenisation did not round-trip
     target: str | None = None  # the target folder; None in entries from before it was recorded
     backend_fingerprint: str | None = _written_when_set()  # digest of a server's fingerprint (none when local)
-    # sampled references: the settings, samples per prompt and seed (dflash_core.sampling); None: greedy
+    # sampled references: the settings, samples per prompt and seed (dflash_core.sampling); given completions scored
+    # with sampled drafts: the settings alone (their p and q); None: greedy
     sampling: dict[str, Any] | None = _written_when_set()
     # how series titles call the target (--name, else tasks.target.model_name); None in older entries
     target_name: str | None = _written_when_set()

@@ -25,6 +25,7 @@ from prefect.cache_policies import NONE
 from dflash_core.choices import DEFAULT_REPLAY_GROUP
 from dflash_core.drafter import DFlashDrafter, load_drafter
 from dflash_core.drafter_config import check_compatible
+from dflash_core.metrics import ImpossibleTau
 from dflash_core.replay import replay
 from dflash_core.sampled_drafts import SampledDrafts, coin_seed
 from dflash_core.sampling import Sampling
@@ -40,7 +41,7 @@ from .fetch import CHECKPOINT_DIRNAME, Checkpoint
 from .heavy import heavy
 from .progress import StageProgress
 from .references import ReferenceItem, ReferenceSet, load_references, references_here
-from .stage import cached, get_or_compute
+from .stage import cached, get_or_compute, refusals_fail_cleanly
 from .target import DTYPES
 from .threads import replay_threads
 
@@ -89,6 +90,7 @@ def _steps(result) -> dict:
 
 
 @task(name="drafts", cache_policy=NONE, persist_result=False)
+@refusals_fail_cleanly(ImpossibleTau)  # (a sampled draft's q or p that is not a number: nothing is committed)
 def draft(
     checkpoint: Checkpoint,
     features: FeatureSet,

@@ -142,9 +142,10 @@ class _NotYet(Exception):
         self.reason, self.retry_after, self.absent = reason, retry_after, absent
 
 
-def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...], settle_seconds: float) -> ReadyCheckpoint:
+def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...], settle_seconds: float,
+               role: str = "drafter") -> ReadyCheckpoint:
     """The source's checkpoint (on `client`'s relay, else local) if it is finished; raises _NotYet while
-    it is absent or being written."""
+    it is absent or being written. `role`: how messages name it ("drafter", "baseline")."""
     if client is not None:
         path = parse_checkpoint_url(source)[1]
         try:
@@ -154,32 +155,32 @@ def _ready_now(source: str, client: RelayClient | None, include: tuple[str, ...]
                 raise _NotYet(e.detail or str(e), float(e.headers.get("Retry-After") or 0) or None) from None
             if e.status == 404:
                 raise _NotYet(f"not on the relay (yet): {e.detail}", absent=True) from None
-            raise CheckpointError(f"drafter {source}: {e}") from None
+            raise CheckpointError(f"{role} {source}: {e}") from None
         return ReadyCheckpoint(source, manifest.get("step", step_from_name(manifest["path"])),
                                manifest.get("layout", "hf"), manifest.get("config_source", "checkpoint"),
                                client=client, manifest=manifest)
     directory = local_path(source).resolve()  # a run-latest link names the folder it points to
     if not directory.exists():
         if not directory.parent.is_dir():  # a run folder exists before its first save: a wrong path
-            raise CheckpointError(f"drafter checkpoint {source} is not a folder, and neither is {directory.parent}"
+            raise CheckpointError(f"{role} checkpoint {source} is not a folder, and neither is {directory.parent}"
                                   f"{_nearest(directory.parent)}: pass a checkpoint folder or a relay URL "
                                   "http://HOST:PORT/<path>")
         near = _similar_folders(directory)
         if near and _steps_blanked(near[0]) != _steps_blanked(directory.name):  # not a later save: a typo
-            raise CheckpointError(f"drafter checkpoint {source}: no folder {directory.name} in {directory.parent}; "
+            raise CheckpointError(f"{role} checkpoint {source}: no folder {directory.name} in {directory.parent}; "
                                   f"did you mean {near[0]}?")
         raise _NotYet(f"no folder {directory} (yet){_nearest(directory)}", absent=True)
     if not directory.is_dir():
-        raise CheckpointError(f"drafter checkpoint {source} is not a folder: pass a checkpoint folder or a relay URL "
+        raise CheckpointError(f"{role} checkpoint {source} is not a folder: pass a checkpoint folder or a relay URL "
                               "http://HOST:PORT/<path>")
     found = checkpoint_files(directory, include)
     try:
         pending = not_ready(directory, settle_seconds, found)
     except CheckpointBroken as e:
-        raise CheckpointError(f"drafter checkpoint {source} is broken: {e}; the save did not complete") from None
+        raise CheckpointError(f"{role} checkpoint {source} is broken: {e}; the save did not complete") from None
     except NotACheckpoint:  # settled, and still no weights: a run folder (its saves finished or still settling), a typo
         inner = saves_beneath(directory, settle_seconds)
-        raise CheckpointError(f"drafter checkpoint {source} holds no drafter weights ({WEIGHT_FILE_NAMES})"
+        raise CheckpointError(f"{role} checkpoint {source} holds no drafter weights ({WEIGHT_FILE_NAMES})"
                               + (f"; {inner}" if inner else "")) from None
     if pending is not None:
         raise _NotYet(pending)
@@ -208,9 +209,10 @@ def _steps_blanked(name: str) -> str:
 
 
 def await_checkpoint(source: str, relay_token_file: str | None = None, include=(), wait_seconds: float | None = None,
-                     settle_seconds: float | None = None) -> ReadyCheckpoint:
-    """Wait until the checkpoint `source` names is finished (at most `wait_seconds`), saying so in the
-    run's logs and a progress artifact; raises CheckpointError when it never appears or never settles."""
+                     settle_seconds: float | None = None, role: str = "drafter") -> ReadyCheckpoint:
+    """Wait until the checkpoint `source` names is finished (at most `wait_seconds`; 0: not at all), saying so in
+    the run's logs and a progress artifact; raises CheckpointError when it never appears or never settles. `role`:
+    how messages name the checkpoint ("drafter", "baseline")."""
     wait_seconds = DEFAULT_WAIT_SECONDS if wait_seconds is None else wait_seconds
     settle_seconds = settle_seconds_default() if settle_seconds is None else settle_seconds
     include = tuple(include or ())
@@ -220,12 +222,15 @@ def await_checkpoint(source: str, relay_token_file: str | None = None, include=(
     try:
         while True:
             try:
-                ready = _ready_now(source, client, include, settle_seconds)
+                ready = _ready_now(source, client, include, settle_seconds, role)
             except _NotYet as e:
                 waited = time.monotonic() - started
+                if not wait_seconds:
+                    raise CheckpointError(f"{role} {source}: {e.reason}; it is taken only once finished, without "
+                                          "waiting for it: is the path right?") from None
                 if waited >= wait_seconds:
                     raise CheckpointError(
-                        f"drafter {source}: {e.reason}; gave up after waiting {waited:.0f} s "
+                        f"{role} {source}: {e.reason}; gave up after waiting {waited:.0f} s "
                         f"(--checkpoint-wait {wait_seconds:g}). Is the trainer still saving it, and is the path right?"
                     ) from None
                 if progress is None:
@@ -362,6 +367,9 @@ def fetch_checkpoint(
             shutil.rmtree(entry)  # verified bytes of a bad checkpoint: nothing of it stays in the store
             where = str(e).replace(f"{destination}/", "").replace(f"{destination}: ", "")  # not the store's path
             raise CheckpointError(f"drafter {source}: {where}") from None
+        except Exception:  # a check that broke rather than refused: still, nothing unverified stays in the store
+            shutil.rmtree(entry, ignore_errors=True)
+            raise
         return FetchRecord(files=files, source=source if ready.local is None else str(ready.local.directory),
                            step=ready.step, layout=ready.layout, config_source=config_source,
                            weights_from=weights_from).to_record()

@@ -254,14 +254,14 @@ def generate_references(
     `seed`. lookahead > 0 (greedy only) also keeps that many greedy tokens past each completion's end,
     so its last decode step is scored against a whole block. `given`: a completions file
     (dflash_core.prompts.read_completions) whose completions are stored instead (`choice` names no prompts then; its
-    `thinking` templates the file's messages). Published benchmarks' prompts stop where their protocol stops.
+    `thinking` templates the file's messages; `sampling`, the settings they were sampled at when drafts are sampled). Published benchmarks' prompts stop where their protocol stops.
     reference_api_key_file: a file holding the server's API key (else $DFLASH_REFERENCE_API_KEY);
     the key is sent, never part of the references' key. target_name: how series titles call the target
     (default: tasks.target.model_name), recorded when the entry is made, never part of its key."""
     store = Store(store_location)
     target_name = target_name or model_name(target_dir)
     if given is not None:
-        return store_given_references(given, target_dir, store, choice.thinking, refresh, target_name)
+        return store_given_references(given, target_dir, store, choice.thinking, refresh, target_name, sampling)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     prompt_set = load_prompts(choice, target_dir, tokenizer)
     prompts, stop_ids, thinking = prompt_set.prompts, prompt_set.stop_token_ids, choice.thinking
@@ -315,24 +315,32 @@ def generate_references(
 
         failure = None
         what = "greedy references" if sampling.greedy else f"references ({sampling.describe()}, {samples} per prompt)"
-        with StageProgress(STAGE, what, len(units)) as progress, \
-                ThreadPoolExecutor(max_workers=backend.concurrency) as pool:
-            running = {pool.submit(one_unit, i): i for i in todo}
-            done = len(units) - len(todo)
-            for future in as_completed(running):
-                if future.exception() is not None:
-                    failure = failure or future.exception()
-                    failed.set()
-                elif future.result() is not None:  # every finished prompt is kept: a rerun resumes
-                    i = running[future]
-                    prompt = prompts[units[i][0]]
-                    record = {"id": prompt.id, "category": prompt.category, "turns": future.result()}
-                    if sampled:
-                        record.update(id=f"{prompt.id}#s{units[i][1]}", prompt=prompt.id)
-                    write_json_atomic(entry / f"seq_{i}.json", record)
-                    written.append(i)
-                    done += 1
-                    progress.update(done)
+        pool = ThreadPoolExecutor(max_workers=backend.concurrency)
+        try:
+            with StageProgress(STAGE, what, len(units)) as progress:
+                running = {pool.submit(one_unit, i): i for i in todo}
+                done = len(units) - len(todo)
+                for future in as_completed(running):
+                    if future.exception() is not None:
+                        failure = failure or future.exception()
+                        failed.set()
+                    elif future.result() is not None:  # every finished prompt is kept: a rerun resumes
+                        i = running[future]
+                        prompt = prompts[units[i][0]]
+                        record = {"id": prompt.id, "category": prompt.category, "turns": future.result()}
+                        if sampled:
+                            record.update(id=f"{prompt.id}#s{units[i][1]}", prompt=prompt.id)
+                        write_json_atomic(entry / f"seq_{i}.json", record)
+                        written.append(i)
+                        done += 1
+                        progress.update(done)
+        except BaseException:
+            # stopped here (Ctrl-C, SIGTERM): start no other unit and wait for none, queued or running (a leaving
+            # `with` would run every queued one first: minutes with many samples); what was written is kept
+            failed.set()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
         if failure is not None:
             raise failure
         if fingerprint is not None:
@@ -357,15 +365,20 @@ def generate_references(
 
 
 def store_given_references(path: str, target_dir: str, store: Store, thinking: bool = False,
-                           refresh: bool = False, target_name: str | None = None) -> ReferenceSet | State:
+                           refresh: bool = False, target_name: str | None = None,
+                           sampling: Sampling = GREEDY) -> ReferenceSet | State:
     """The references stage for completions you already have: the file's completions, stored as a references
-    entry keyed by their content (and the target's, whose tokenizer read them), one seq_<n>.json per line."""
+    entry keyed by their content (and the target's, whose tokenizer read them), one seq_<n>.json per line.
+    `sampling`: the settings they were sampled at, which sampled drafts need (the target's probability of each token
+    is extracted at them with the features): keyed and recorded when not greedy, so that the same completions at
+    other settings are another entry, and their series says at which."""
     target_config = read_target_config(target_dir)
     completions = read_completions(path, AutoTokenizer.from_pretrained(target_dir), thinking=thinking,
                                    vocab_size=target_config.vocab_size)
     stop_ids = set(target_config.eos_token_ids)
     key = key_of({"given": [asdict(c) for c in completions], "thinking": thinking,
-                  "target": target_key(target_dir, store)})
+                  "target": target_key(target_dir, store),
+                  **({} if sampling.greedy else {"sampling": sampling.identity()})})  # (greedy: keys as they were)
 
     def compute(entry: Path) -> dict:
         for n, c in enumerate(completions):
@@ -379,9 +392,10 @@ def store_given_references(path: str, target_dir: str, store: Store, thinking: b
             backend={"kind": "given", "file": str(path)}, max_new_tokens=max(len(c.completion_ids) for c in completions),
             stop_token_ids=tuple(sorted(stop_ids)), lookahead=0, unverified=sum(c.retokenized for c in completions),
             target_name=target_name or model_name(target_dir),
+            sampling=None if sampling.greedy else sampling.identity(),
         ).to_record()
 
     outcome = get_or_compute(store, STAGE, key, compute, refresh=refresh)
     refs = ReferenceSet(key=key, path=str(store.entry(STAGE, key)), n_prompts=len(completions), n=len(completions),
-                        lookahead=0)
+                        lookahead=0, sampling=sampling)
     return refs if outcome.computed else cached(refs)

@@ -7,6 +7,7 @@ from prefect import task
 from prefect.cache_policies import NONE
 
 from dflash_core.metrics import (
+    ImpossibleTau,
     PromptScore,
     all_positions_tau,
     benchmark_summary,
@@ -21,7 +22,7 @@ from dflash_eval.storage.schema import DRAFTS_FILE, SCORES_FILE, ScoresRecord, S
 
 from .drafts import Drafts
 from .references import ReferenceSet, load_references
-from .stage import cached, get_or_compute
+from .stage import cached, get_or_compute, refusals_fail_cleanly
 
 STAGE = Stage.SCORES
 # Bump when the metrics change (part of the key).
@@ -46,6 +47,7 @@ def prompt_score(item, steps: dict) -> PromptScore:
 
 
 @task(name="scores", cache_policy=NONE, persist_result=False)
+@refusals_fail_cleanly(ImpossibleTau)  # (summarize refuses a tau no decoding gives: nothing is committed)
 def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool = False):
     """Summarize the drafts stage's acceptance lengths (see dflash_core.metrics)."""
     store = Store(store_location)

@@ -124,7 +124,8 @@ PLANTED_BUILDER = pytest.StashKey()
 # test_planted_bugs goes last: its drafters train meanwhile (pytest_sessionstart).
 LONGEST_FIRST = ("test_sampling", "test_deployments", "test_faults", "test_cluster", "test_ui_screenshots",
                  "test_pipeline_s3", "test_first_run", "test_serve_killed", "test_reference_backends",
-                 "test_served_settings", "test_pipeline", "test_dflash2_golden", "test_dflash010_golden")
+                 "test_served_settings", "test_pipeline", "test_dflash2_golden", "test_dflash010_golden",
+                 "test_given_sampled_drafts")
 LAST = ("test_planted_bugs",)
 
 
@@ -197,11 +198,19 @@ def dflash2_evaluated(tiny_dflash2_run, prefect_api_url, tmp_path_factory):
 def prefect_api_url():
     """One Prefect server for the whole session (flows run in-process report to it); its URL lets
     subprocesses (the command line) report to it too instead of starting servers of their own."""
+    import prefect.testing.utilities
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=90):
-        yield PREFECT_API_URL.value()
+    from dflash_eval.flows.local_server import TiedServer
+
+    # Prefect's harness waits through a refused connection only: on busy cores its server answers a first request
+    # after httpx's timeout, and the session errored. Our tied server waits through any answer short of ready (and
+    # goes with this process if it is killed).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(prefect.testing.utilities, "SubprocessASGIServer", TiedServer)
+        with prefect_test_harness(server_startup_timeout=90):
+            yield PREFECT_API_URL.value()
 
 
 @pytest.fixture(scope="session")

@@ -5,10 +5,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.ports import free_port
+from tests.waiting import NeverReady, wait_until
 
 DASK = Path(sys.executable).parent / "dask"
 
@@ -45,17 +45,18 @@ class Cluster:
                                         "--death-timeout", "60",
                                         *(["--preload", str(self.preload)] if self.preload else [])))
 
-    def client(self):
+    def client(self, timeout: float = 30):
         import distributed
 
-        return distributed.Client(self.address, timeout=30, set_as_default=False)
+        return distributed.Client(self.address, timeout=timeout, set_as_default=False)
 
     def wait_for_workers(self, n: int) -> None:
-        with self.client() as client:
-            deadline = time.monotonic() + 180
-            while len(client.nthreads()) != n:  # exactly n: a killed worker has left
-                assert time.monotonic() < deadline, f"{len(client.nthreads())} workers, not {n}: {self.log_tails()}"
-                time.sleep(0.2)
+        # the scheduler may not take connections yet, or answer late on busy cores: both are waited through
+        with wait_until(lambda: self.client(timeout=10), 180, "the Dask scheduler", self.scheduler) as client:
+            try:  # exactly n: a killed worker has left
+                wait_until(lambda: len(client.nthreads()) == n, 180, f"{n} Dask workers", every=0.2)
+            except NeverReady as e:
+                raise AssertionError(f"{e}: {self.log_tails()}") from None
 
     def worker_pids(self) -> dict[str, int]:
         """{worker address: its process id}."""

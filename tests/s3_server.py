@@ -4,13 +4,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from contextlib import contextmanager
 
 import requests
 
 from tests.ports import free_port
+from tests.waiting import answers, wait_until
 
 BUCKET = "evals"
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1",
@@ -27,15 +27,7 @@ def running_s3_server(bucket: str = BUCKET):
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = {name: os.environ.get(name) for name in (*CREDENTIALS, "AWS_ENDPOINT_URL")}
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                requests.get(endpoint, timeout=1)
-                break
-            except requests.ConnectionError:
-                if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"moto's S3 server did not start on {endpoint}") from None
-                time.sleep(0.1)
+        wait_until(answers(endpoint, status=None), 60, f"moto's S3 server on {endpoint}", server)
         os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
         requests.put(f"{endpoint}/{bucket}", timeout=10).raise_for_status()  # CreateBucket (moto takes it unsigned)
         yield endpoint

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from dflash_eval.services.relay.server import RelayServer
 from tests.evaluations import setting_schema
 from tests.ports import free_port
 from tests.tiny_models import first_prompts
+from tests.waiting import NeverReady, answers, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,14 +48,10 @@ def prefect_server(tmp_path_factory):
                                "--port", str(port)], env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/api"
 
-    def healthy():
-        try:
-            return urllib.request.urlopen(f"{url}/health", timeout=2).status == 200
-        except OSError:
-            assert server.poll() is None, (home / "server.log").read_text()[-2000:]
-            return False
-
-    wait_for(healthy, 120, "the Prefect server")
+    try:  # a late answer on busy cores is waited through, as a refused connection is
+        wait_until(answers(f"{url}/health"), 120, "the Prefect server", server)
+    except NeverReady as e:
+        raise AssertionError(f"{e}: {(home / 'server.log').read_text()[-2000:]}") from None
     yield {"url": url, "home": home}
     server.terminate()
     server.wait(30)

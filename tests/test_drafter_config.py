@@ -231,7 +231,7 @@ def test_input_embedding_scale_multiplies_the_block_embeddings():
     ({}, {"use_swa": True}, "use_swa is true but the config has no layer_types"),
     ({"use_swa": True}, {"layer_types": ["full_attention"] * 2}, "dflash_config.use_swa is true but layer_types has no"),
     ({"attention_sink_bias": True}, {}, "dflash_config.attention_sink_bias"),
-    ({}, {"attention_sink_bias": True}, "attention_sink_bias = True"),
+    ({}, {"attention_sink_bias": True}, "attention_sink_bias = true"),
     ({}, {"add_swa_attention_sink_bias": True}, "add_swa_attention_sink_bias"),
     ({}, {"architectures": ["DFlash2DraftModel"]}, "a DFlash2DraftModel needs dflash_config.conv_kernel_size"),
     ({}, {"architectures": ["DominoDraftModel"]}, r"read here are DFlashDraftModel and DFlash2DraftModel; not read: Domino"),

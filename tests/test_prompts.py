@@ -415,3 +415,48 @@ def test_bad_completion_lines_name_the_line_and_field(tmp_path, tokenizer, line,
     path = write(tmp_path, line)
     with pytest.raises(PromptError, match=re.escape(expected)):
         read_completions(path, tokenizer, vocab_size=len(tokenizer))
+
+
+@pytest.mark.parametrize("line", [
+    {"id": "a", "input_ids": [5], "completion_ids": "5 6"},
+    {"id": "a", "input_ids": [5], "completion_ids": [5, -1]},
+    {"id": "a", "input_ids": [5], "completion_ids": [5, 6.0]},
+])
+def test_bad_completion_ids_are_named_as_completion_ids(tmp_path, tokenizer, line):
+    with pytest.raises(PromptError, match="prompts.jsonl:1: field 'completion_ids': "):
+        read_completions(write(tmp_path, line), tokenizer, vocab_size=len(tokenizer))
+
+
+def _given(pid, prompt=(5, 6), completion=(7, 8)):
+    return {"id": pid, "input_ids": list(prompt), "completion_ids": list(completion)}
+
+
+# Lines whose ids collide: each references a completion by its id (`<id>#s<k>` for the samples of an id that
+# repeats), so no two may end up with one id, and the lines of one id are samples of one prompt.
+@pytest.mark.parametrize(("lines", "says"), [
+    ([_given("p00"), _given("p00"), _given("p00#s0")],
+     "prompts.jsonl:3: field 'id': 'p00#s0' names two completions: line 1's (sample 0 of 'p00', an id that repeats) "
+     "and line 3's (its id); give one of them another id"),
+    ([_given("p00#s1"), _given("p00"), _given("p00")],
+     "prompts.jsonl:3: field 'id': 'p00#s1' names two completions: line 1's (its id) and line 3's (sample 1 of "
+     "'p00', an id that repeats)"),
+    ([_given("p00"), _given("p00", prompt=(5, 9))],
+     "prompts.jsonl:2: field 'id': 'p00' is also line 1's id, with another prompt: the lines of one id are samples "
+     "of one prompt; give this prompt an id of its own"),
+    ([_given(7), _given("7", prompt=(1,))], "prompts.jsonl:2: field 'id': '7' is also line 1's id, with another "
+                                            "prompt"),
+    ([{"id": "q", "text": "def f(x):", "completion": " return x"}, {"id": "q", "text": "def g(x):", "completion": " x"}],
+     "prompts.jsonl:2: field 'id': 'q' is also line 1's id, with another prompt"),
+], ids=["a sample's id given", "a given id a later sample takes", "one id, two prompts", "an int and a string id",
+        "one id, two text prompts"])
+def test_completion_ids_that_collide_are_refused_naming_both_lines(tmp_path, tokenizer, lines, says):
+    with pytest.raises(PromptError) as refused:
+        read_completions(write(tmp_path, *lines), tokenizer, vocab_size=len(tokenizer))
+    assert str(refused.value).startswith(f"{tmp_path}/{says}"), str(refused.value)
+
+
+def test_samples_of_one_prompt_share_its_id_and_unique_ids_stand_beside_them(tmp_path, tokenizer):
+    found = read_completions(write(tmp_path, _given("p00"), _given("p01"), _given("p00", completion=(9,)),
+                                   _given("p00#s9")), tokenizer, vocab_size=len(tokenizer))
+    assert [(c.id, c.prompt) for c in found] == [("p00#s0", "p00"), ("p01", None), ("p00#s1", "p00"),
+                                                ("p00#s9", None)]

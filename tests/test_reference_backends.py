@@ -31,6 +31,7 @@ from dflash_eval.services.reference.server import ReferenceServer
 from dflash_eval.tiny import target as tiny_target
 from tests.ports import free_port
 from tests.tiny_models import first_prompts
+from tests.waiting import answers, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -140,6 +141,7 @@ def serve_in_process(target_dir, port, *options) -> subprocess.Popen:
         if "listening on" in line:
             # keep reading its output, or a full pipe would block the server
             threading.Thread(target=process.stdout.read, daemon=True).start()
+            wait_until(answers(f"http://127.0.0.1:{port}/health"), 60, "serve-reference", process)
             return process
     raise RuntimeError(f"serve-reference exited with {process.wait()}")
 

@@ -35,6 +35,7 @@ from dflash_eval.services.reference.backends import (
 from dflash_eval.services.reference.server import ReferenceServer
 from dflash_eval.tiny import target as tiny_target
 from tests.tiny_models import qwen3_config
+from tests.waiting import answers, wait_until
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = dict(num_hidden_layers=2, max_position_embeddings=64)  # on the test-size Qwen3 config
@@ -631,7 +632,7 @@ def test_cli_serves_until_terminated(target_dir):
                 break
         assert match, "".join(lines)
         url = match.group(1)
-        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        wait_until(answers(url + "/health"), 60, "serve-reference", process)  # bound; it may answer late
         assert requests.get(url + "/v1/models", timeout=TIMEOUT).json()["data"][0]["id"] == "ref"
     finally:
         watchdog.cancel()
@@ -669,7 +670,7 @@ def test_cli_serves_behind_an_api_key_file(target_dir, tmp_path):
                 break
         assert match and "API key required" in lines[-1], "".join(lines)
         url = match.group(1)
-        assert requests.get(url + "/health", timeout=TIMEOUT).status_code == 200
+        wait_until(answers(url + "/health"), 60, "serve-reference", process)  # bound; it may answer late
         assert requests.get(url + "/v1/models", timeout=TIMEOUT).status_code == 401
         models = requests.get(url + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=TIMEOUT)
         assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny-qwen3"

@@ -16,6 +16,7 @@ from dflash_eval.services.http_server import PortInUse
 from dflash_eval.services.report_server import REPORT_URL_ENV, ReportServer, report_url
 from dflash_eval.storage import Store
 from tests.test_report import fabricate
+from tests.waiting import answers, wait_until
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 32  # only the bytes are checked, not the image
 
@@ -195,6 +196,7 @@ def test_command_line_writes_and_serves_the_report(tmp_path):
         line = _line_with(process, "report.html; Ctrl+C stops", timeout=60)
         url = line.split(" at ", 1)[1].split(";", 1)[0]
         assert url.startswith("http://127.0.0.1:") and url.endswith("/report.html")
+        wait_until(answers(url), 60, "the report server", process)  # bound; on busy cores it may answer late
         page = requests.get(url, timeout=10)
         assert page.status_code == 200 and page.headers["Content-Type"] == "text/html; charset=utf-8"
         assert page.content == (store.root / "report" / "report.html").read_bytes()  # --out: <store>/report

@@ -69,7 +69,8 @@ def test_the_tied_server_runs_the_command_prefect_runs(monkeypatch):
     (prefect_args, prefect_kwargs), (our_args, our_kwargs) = launched
     assert prefect_args == [sys.executable, *ours.uvicorn_args()]
     assert our_args[:2] == [sys.executable, "-c"] and our_args[3:] == [str(os.getpid()), *prefect_args[1:]]
-    assert our_kwargs == prefect_kwargs == {"env": ours.uvicorn_env()}
+    assert prefect_kwargs == {"env": ours.uvicorn_env()}
+    assert our_kwargs == {**prefect_kwargs, "start_new_session": True}  # a terminal's Ctrl-C reaches the command only
 
 
 @pytest.mark.slow

@@ -56,7 +56,7 @@ def test_the_flow_s_parameters_are_the_groups_and_their_form_is_the_declaration(
         shown = setting_schema(schema, setting.group, name)
         assert shown["description"] == setting.field.description, name
     assert setting_schema(schema, "serving", "top_p")["exclusiveMinimum"] == 0
-    assert setting_schema(schema, "inputs", "max_new_tokens")["minimum"] == 1
+    assert setting_schema(schema, "inputs", "max_new_tokens")["minimum"] == 2  # a decode step needs two tokens
     rerun = parameter_schema(RERUN_FLOWS["drafts"].fn).model_dump()
     assert list(rerun["properties"]) == ["drafter", *GROUPS]  # the stage is fixed: the form cannot change it
 

@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 import requests
@@ -21,6 +20,7 @@ from tests.ports import free_port
 from tests.test_pipeline import MAX_NEW
 from tests.test_served_settings import client_artifacts
 from tests.test_training_log import write_run
+from tests.waiting import NeverReady, answers, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 STEPS = (100, 200, 300, 400)
@@ -126,18 +126,15 @@ def test_a_tensorboard_server_shows_the_same_scalars(evaluated):
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}/data/plugin/scalars/scalars"
-        deadline, points = time.monotonic() + 90, None
-        while time.monotonic() < deadline:
-            try:
-                answer = requests.get(url, params={"run": "dflash-eval", "tag": "dflash_eval/tau_macro"}, timeout=5)
-                if answer.status_code == 200 and len(answer.json()) == 4:
-                    points = answer.json()
-                    break
-            except requests.ConnectionError:
-                pass
-            assert server.poll() is None, server.stderr.read()
-            time.sleep(1)
-        assert points is not None, "the TensorBoard server never served the scalars"
+
+        def all_points():  # None until the server answers with every step (it reads the logs after it starts)
+            answer = requests.get(url, params={"run": "dflash-eval", "tag": "dflash_eval/tau_macro"}, timeout=5)
+            return answer.json() if answer.status_code == 200 and len(answer.json()) == 4 else None
+
+        try:
+            points = wait_until(all_points, 90, "the TensorBoard server's scalars", server, every=1)
+        except NeverReady as e:
+            raise AssertionError(f"{e}: {server.stderr.read()}") from None
         assert [(step, value) for _, step, value in points] == [
             (r.step, pytest.approx(r.tau_macro, rel=1e-6)) for r in group.rows]
         runs = requests.get(f"http://127.0.0.1:{port}/data/runs", timeout=5).json()
@@ -216,14 +213,10 @@ def mlflow_server(tmp_path):
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            assert server.poll() is None, server.stderr.read()
-            try:
-                if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                time.sleep(1)
+        try:
+            wait_until(answers(f"{url}/health"), 120, "the MLflow server", server, every=1)
+        except NeverReady as e:
+            raise AssertionError(f"{e}: {server.stderr.read()}") from None
         yield url
     finally:
         server.terminate()

@@ -11,7 +11,10 @@ of three places, and the rows are the dataset's own (its field names, its split'
   AIME25-I and GSM8K in part. Read as files inside the installed package: nothing of the package is imported.
 
 `format_turns` is z-lab's formatting, the same in every protocol: the math suffix, the HumanEval and SWE-bench
-wrappers, Alpaca's input, LiveCodeBench's system prompt and format block, MT-Bench's two turns.
+wrappers, Alpaca's input, LiveCodeBench's system prompt and format block, MT-Bench's two turns. Every row is checked
+before it is formatted: a record (not a string, a number or a list), holding each field the formatting reads with a
+value of that field's kind (`TEXT`, `OPTIONAL_TEXT`, `TURNS`): a string is never split into one-character turns, and
+a null never becomes the text "None".
 """
 
 import csv
@@ -54,6 +57,13 @@ def _alpaca(row: dict) -> list[str]:
     return [f"{row['instruction']}\n\nInput:\n{row['input']}" if row["input"] else row["instruction"]]
 
 
+# The kinds of value a field the formatting reads must hold (Benchmark.fields): checked on every row before it is
+# formatted, so that a value of another kind is named rather than formatted into a wrong prompt.
+TEXT = "text"  # a non-empty string
+OPTIONAL_TEXT = "optional text"  # a string (empty or not) or null: LiveCodeBench's starter code, Alpaca's input
+TURNS = "turns"  # a non-empty list of non-empty strings: MT-Bench's user turns
+
+
 @dataclass(frozen=True)
 class Benchmark:
     """One published benchmark: its dataset on the hub and how a row becomes user turns."""
@@ -65,7 +75,7 @@ class Benchmark:
     config: str | None
     split: str
     rows: int | None  # the split's rows on the hub, where known
-    fields: tuple[str, ...]  # the fields format_turns reads
+    fields: dict[str, str]  # the fields format_turns reads, each with the kind of value it holds (TEXT, ...)
     turns: Callable[[dict], list[str]]
     hub_files: tuple[str, ...] = ()  # loaded as these files of the hub repository (z-lab names them), not by config
 
@@ -75,29 +85,29 @@ class Benchmark:
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
-    Benchmark("gsm8k", "GSM8K", "Math", "openai/gsm8k", "main", "test", 1319, ("question",),
+    Benchmark("gsm8k", "GSM8K", "Math", "openai/gsm8k", "main", "test", 1319, {"question": TEXT},
               lambda r: [r["question"] + MATH_SUFFIX]),
-    Benchmark("math500", "MATH-500", "Math", "HuggingFaceH4/MATH-500", None, "test", 500, ("problem",),
+    Benchmark("math500", "MATH-500", "Math", "HuggingFaceH4/MATH-500", None, "test", 500, {"problem": TEXT},
               lambda r: [r["problem"] + MATH_SUFFIX]),
-    Benchmark("aime24", "AIME24", "Math", "HuggingFaceH4/aime_2024", None, "train", 30, ("problem",),
+    Benchmark("aime24", "AIME24", "Math", "HuggingFaceH4/aime_2024", None, "train", 30, {"problem": TEXT},
               lambda r: [r["problem"] + MATH_SUFFIX]),
-    Benchmark("aime25", "AIME25", "Math", "MathArena/aime_2025", None, "train", 30, ("problem",),
+    Benchmark("aime25", "AIME25", "Math", "MathArena/aime_2025", None, "train", 30, {"problem": TEXT},
               lambda r: [r["problem"] + MATH_SUFFIX]),
-    Benchmark("humaneval", "HumanEval", "Code", "openai/openai_humaneval", None, "test", 164, ("prompt",),
+    Benchmark("humaneval", "HumanEval", "Code", "openai/openai_humaneval", None, "test", 164, {"prompt": TEXT},
               lambda r: [HUMANEVAL_WRAPPER.format(prompt=r["prompt"])]),
-    Benchmark("mbpp", "MBPP", "Code", "google-research-datasets/mbpp", "sanitized", "test", 257, ("prompt",),
+    Benchmark("mbpp", "MBPP", "Code", "google-research-datasets/mbpp", "sanitized", "test", 257, {"prompt": TEXT},
               lambda r: [r["prompt"]]),
     Benchmark("livecodebench", "LiveCodeBench", "Code", "livecodebench/code_generation_lite", None, "test", None,
-              ("question_content", "starter_code"), _livecodebench,
+              {"question_content": TEXT, "starter_code": OPTIONAL_TEXT}, _livecodebench,
               hub_files=tuple(f"test{k}.jsonl" for k in ("", 2, 3, 4, 5, 6))),
     Benchmark("swe-bench", "SWE-Bench", "Code", "princeton-nlp/SWE-bench_Lite", None, "test", 300,
-              ("problem_statement",), lambda r: [SWE_BENCH_WRAPPER.format(problem_statement=r["problem_statement"])]),
-    Benchmark("lbpp", "LBPP", "Code", "CohereLabs/lbpp", None, "test", None, ("instruction",),
+              {"problem_statement": TEXT}, lambda r: [SWE_BENCH_WRAPPER.format(problem_statement=r["problem_statement"])]),
+    Benchmark("lbpp", "LBPP", "Code", "CohereLabs/lbpp", None, "test", None, {"instruction": TEXT},
               lambda r: [r["instruction"]], hub_files=("python/test.parquet",)),
-    Benchmark("mt-bench", "MT-Bench", "Chat", "HuggingFaceH4/mt_bench_prompts", None, "train", 80, ("prompt",),
+    Benchmark("mt-bench", "MT-Bench", "Chat", "HuggingFaceH4/mt_bench_prompts", None, "train", 80, {"prompt": TURNS},
               lambda r: list(r["prompt"])),
-    Benchmark("alpaca", "Alpaca", "Chat", "tatsu-lab/alpaca", None, "train", 52002, ("instruction", "input"),
-              _alpaca),
+    Benchmark("alpaca", "Alpaca", "Chat", "tatsu-lab/alpaca", None, "train", 52002,
+              {"instruction": TEXT, "input": OPTIONAL_TEXT}, _alpaca),
 )}
 GROUPS = ("Math", "Code", "Chat")  # z-lab's order
 # --prompts zlab-paper: the ten datasets of the paper's tables, in their column order
@@ -111,9 +121,15 @@ def benchmark_names(prompts: str) -> tuple[str, ...] | None:
     parts = [part.strip() for part in str(prompts).split(",") if part.strip()]
     known = [part in BENCHMARKS or part in ALIASES for part in parts]
     if not any(known):
+        # a benchmark named in other letters (GSM8K) is no suite or file either: say the name it stands for
+        miscased = [part for part in parts if part.lower() in BENCHMARKS or part.lower() in ALIASES]
+        if miscased and not Path(str(prompts)).exists():
+            raise BenchmarkError(f"--prompts {prompts}: the benchmarks are named in lower case: give "
+                                 f"{','.join(part.lower() if part in miscased else part for part in parts)}")
         return None
     if not all(known):
-        unknown = [part for part, ok in zip(parts, known) if not ok]
+        unknown = [part + (f" (give {part.lower()})" if part.lower() in BENCHMARKS or part.lower() in ALIASES else "")
+                   for part, ok in zip(parts, known) if not ok]
         raise BenchmarkError(f"--prompts {prompts}: {', '.join(unknown)} is not a published benchmark; the "
                              f"benchmarks are {', '.join(BENCHMARKS)} (or {', '.join(ALIASES)}); a suite or a file "
                              "is evaluated on its own")
@@ -158,8 +174,15 @@ class Shipped:
 
 def _jsonl(path: Path) -> list[dict]:
     opener = gzip.open if path.suffix == ".gz" else open
+    rows = []
     with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"line {number} is not JSON ({e.msg} at column {e.colno})") from None
+    return rows
 
 
 def _humaneval(path: Path) -> list[Row]:
@@ -270,8 +293,8 @@ def _read_file(path: Path) -> list[dict]:
             except pa.ArrowInvalid:
                 return pa.ipc.open_file(source).read_all().to_pylist()
     if kind == "csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
+        with open(path, newline="", encoding="utf-8") as f:  # a short row's missing values read as null
+            return list(csv.DictReader(f, restkey="(values past the header's columns)"))
     if path.suffix == ".json":  # a JSON array, or JSON lines under a .json name
         text = path.read_text(encoding="utf-8")
         if text.lstrip().startswith("["):
@@ -285,7 +308,12 @@ def _load_local(benchmark: Benchmark, path: Path) -> list[dict]:
                              f"or its {benchmark.split} split's parquet/jsonl files")
     if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
         from datasets import DatasetDict, load_from_disk
-        saved = load_from_disk(str(path))
+        try:
+            saved = load_from_disk(str(path))
+        except Exception as error:  # a damaged state.json, dataset_dict.json or arrow file raises many kinds
+            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+            raise BenchmarkError(f"{benchmark.name}: --data {path} is a damaged save_to_disk folder ({reason[:200]}); "
+                                 "save the dataset again, or pass its parquet or jsonl files") from None
         if isinstance(saved, DatasetDict):
             if benchmark.split not in saved:
                 raise BenchmarkError(f"{benchmark.name}: {path} (a saved dataset) has no split {benchmark.split!r} "
@@ -360,14 +388,56 @@ def load_rows(benchmark: Benchmark, data: Path | None = None) -> LoadedRows:
     if not rows:
         raise BenchmarkError(f"{benchmark.name}: {source} holds no rows")
     whole = whole and (benchmark.rows is None or len(rows) == benchmark.rows)  # a copy cut short is a subset
+    layout = f"give {benchmark.hub_id}'s {benchmark.split} split in its own layout and field names"
     for row in rows:
+        if not isinstance(row.fields, dict):
+            raise BenchmarkError(f"{benchmark.name}: {source}: row {row.index} is {_described(row.fields)}, not a "
+                                 f"record of fields (a JSON object per line); {layout}")
         missing = [f for f in benchmark.fields if f not in row.fields]
         if missing:
             raise BenchmarkError(
                 f"{benchmark.name}: {source}: row {row.index} has no field {missing[0]!r} (its fields: "
-                f"{', '.join(sorted(row.fields))}); give {benchmark.hub_id}'s {benchmark.split} split in its own "
-                "layout and field names")
+                f"{', '.join(sorted(map(str, row.fields)))}); {layout}")
+        for field, kind in benchmark.fields.items():
+            if problem := _kind_problem(row.fields[field], kind):
+                raise BenchmarkError(f"{benchmark.name}: {source}: row {row.index}: field {field!r} {problem}; "
+                                     f"{layout}")
     return LoadedRows(rows, source, whole)
+
+
+def _kind_problem(value: Any, kind: str) -> str | None:
+    """Why `value` is no value of `kind` (TEXT, OPTIONAL_TEXT, TURNS), or None."""
+    if kind == TURNS:
+        if not isinstance(value, list):
+            return f"must be a list of user turns (strings), got {_described(value)}"
+        if not value:
+            return "must be a list of user turns (strings), got an empty list"
+        for k, turn in enumerate(value, start=1):
+            if not (isinstance(turn, str) and turn.strip()):
+                return f"must be a list of user turns (strings): turn {k} is {_described(turn)}"
+        return None
+    if isinstance(value, str) and (value.strip() or kind == OPTIONAL_TEXT):
+        return None
+    if value is None and kind == OPTIONAL_TEXT:
+        return None
+    return f"must be {'a' if kind == OPTIONAL_TEXT else 'a non-empty'} string, got {_described(value)}"
+
+
+def _described(value: Any) -> str:
+    """A value as a message names it: its kind, and a short form of it."""
+    if value is None:
+        return "null (no value)"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value!r})"
+    if isinstance(value, str):
+        return f"a string ({value[:40]!r}{'...' if len(value) > 40 else ''})" if value.strip() else "an empty string"
+    if isinstance(value, (list, tuple)):
+        return f"a list of {len(value)}"
+    if isinstance(value, dict):
+        return f"an object (fields {', '.join(map(str, list(value)[:5]))})" if value else "an empty object"
+    return type(value).__name__
 
 
 def read_data_option(data: str | None, names: Sequence[str]) -> dict[str, Path]:
@@ -383,7 +453,14 @@ def read_data_option(data: str | None, names: Sequence[str]) -> dict[str, Path]:
                 raise BenchmarkError(f"--data {part}: {len(names)} benchmarks are evaluated ({', '.join(names)}); "
                                      "say which one it holds: --data NAME=PATH[,NAME=PATH]")
             name, path = names[0], part
+        name, path = name.strip(), path.strip()
         if name not in names:
             raise BenchmarkError(f"--data {part}: {name!r} is not among the benchmarks evaluated ({', '.join(names)})")
+        if not path:  # `--data gsm8k=$UNSET`: never the current folder, searched for any test file
+            raise BenchmarkError(f"--data {part}: no path after '{name}='; give the folder or file of {name}'s local "
+                                 "copy (an unset shell variable gives an empty path)")
+        if name in paths:
+            raise BenchmarkError(f"--data: {name} is given twice ({paths[name]} and {path}); give one local copy per "
+                                 "benchmark")
         paths[name] = Path(path).expanduser()
     return paths

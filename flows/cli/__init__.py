@@ -1,6 +1,6 @@
 """The `dflash-eval` command line, one module per group of commands:
 
-  evaluation   run, stage, demo             evaluations by hand
+  evaluation   run, stage, demo             evaluations by hand (stopping.py: Ctrl-C and SIGTERM during one)
   prompts      prompts                      what a run feeds the target
   serving      serve, watch, notify         unattended: deployments, a relay watcher, trainers' events
   reference    serve-reference              a reference server of our own

@@ -13,6 +13,7 @@ from dflash_eval.flows.settings import Evaluation, Settings, SettingsError, by_g
 
 from .common import configure_threads, fail, local_server_needed, open_store, start_local_server, write_results
 from .options import Drafter, Drafters, Stage, StoreRoot, Threads, example, settings_options
+from .stopping import stopped_by_signals, stops
 
 app = typer.Typer()
 
@@ -35,6 +36,7 @@ def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> lis
     from prefect.states import State
 
     from dflash_core.drafter_config import DrafterError
+    from dflash_core.metrics import ImpossibleTau
     from dflash_eval.flows.checks import InputError, check_evaluation, check_out
     from dflash_eval.flows.evaluate import evaluation_flow
     from dflash_eval.services.reference.backends import BackendError
@@ -47,9 +49,10 @@ def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> lis
     # tracebacks of them are left out; the run logs keep them): CheckpointError: fetch refused what it got;
     # RelayError: the relay went away mid-download (a rerun resumes); CheckpointDamaged: weights changed in the
     # store (a rerun fetches them again); BackendError: a reference server failed, refused or changed;
-    # ObjectStorageError: the store's server went away or refused us
+    # ObjectStorageError: the store's server went away or refused us; ImpossibleTau: the drafts or scores stage
+    # refused to store a tau no decoding gives (a bug or numbers that are not finite upstream, named in the message)
     explained = (InputError, DrafterError, CheckpointError, RelayError, CheckpointDamaged, BackendError,
-                 ObjectStorageError)
+                 ObjectStorageError, ImpossibleTau)
     try:
         check_out(out, folder=len(evaluations) > 1)
         checked = [check_evaluation(evaluation, flag_name) for evaluation in evaluations]
@@ -62,8 +65,8 @@ def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> lis
     for inputs in checked:
         evaluation = inputs.evaluation
         try:
-            with _console_tracebacks_hidden(lambda e: isinstance(e, explained) or is_storage_full(e)), \
-                    _heartbeats_unless_asked():
+            with stopped_by_signals(), _heartbeats_unless_asked(), \
+                    _console_tracebacks_hidden(lambda e: isinstance(e, (*explained, *stops())) or is_storage_full(e)):
                 # a State (with **parameters, Prefect's types take the call for one without return_state)
                 state = cast(State, evaluation_flow(inputs)(**evaluation.parameters(), return_state=True))
                 found.append(state.result())
@@ -123,15 +126,28 @@ def _heartbeats_unless_asked() -> Iterator[None]:
 @contextmanager
 def _console_tracebacks_hidden(explained: Callable[[BaseException], bool]) -> Iterator[None]:
     """Prefect logs a failed task's and flow's traceback on the console; for an error this command explains in
-    one line, the console shows Prefect's one-line summaries only. The run logs keep the tracebacks: Prefect's
+    one line, the console shows Prefect's one-line summaries only. A refusal a task returns as its Failed state
+    (tasks/stage.py: refusals_fail_cleanly, e.g. weights that are not finite) is not repeated at all: Prefect
+    would log it three times before the command's own line says it. The run logs keep all of it: Prefect's
     API handler (prefect.flow_runs, prefect.task_runs) formats a record before the root logger's console
     handler, where this filter sits, sees it."""
     import logging
 
     from prefect.logging.handlers import PrefectConsoleHandler
 
+    refused: set[str] = set()  # the refusals' messages
+
     def drop_traceback(record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None and explained(record.exc_info[1]):
+        message = record.getMessage()
+        if message.startswith("Task run failed with state: "):  # only a refusal ends a task as a returned state
+            if (said := _failed_message(message)) is not None:
+                refused.add(said)
+            return False
+        if message.startswith("Finished in state Failed(") and any(said in message for said in refused):
+            return False
+        # (an exc_info without an exception: Prefect logs a returned failed state "with its traceback", which
+        # printed a stray `NoneType: None`)
+        if record.exc_info and (record.exc_info[1] is None or explained(record.exc_info[1])):
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -143,6 +159,18 @@ def _console_tracebacks_hidden(explained: Callable[[BaseException], bool]) -> It
     finally:
         for handler in consoles:
             handler.removeFilter(drop_traceback)
+
+
+def _failed_message(logged: str) -> str | None:
+    """The message of the Failed state Prefect logs as `... Failed(message='...', type=FAILED, ...)`, or None."""
+    import ast
+    import re
+
+    found = re.search(r"""Failed\(message=('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""", logged)
+    try:
+        return ast.literal_eval(found.group(1)) if found else None
+    except (ValueError, SyntaxError):
+        return None
 
 
 def _print_results(results: dict) -> None:

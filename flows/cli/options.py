@@ -3,12 +3,14 @@
 FILE` gives any command's options defaults. Imports neither torch nor Prefect: every command, `--help` and
 `notify` included, builds these before it runs.
 
-A value outside an option's choices, a setting out of its bounds and a rule broken between settings each get the
-one line every refused input gets (`OneLineChoiceErrors`, `settings_options`).
+A value outside an option's choices, a setting out of its bounds, a rule broken between settings and a --config
+value of a type its option does not take each get the one line every refused input gets (`OneLineChoiceErrors`,
+`settings_options`, `config_value`). `--help` is drawn wide enough for every option's full name (`help_width`).
 """
 
 import functools
 import inspect
+import json
 import tomllib
 import types
 from enum import StrEnum
@@ -19,7 +21,7 @@ import typer
 from typer._click.core import Context, ParameterSource  # typer's own click
 from typer._click.exceptions import BadParameter, UsageError
 from typer._click.globals import get_current_context
-from typer.core import TyperGroup, TyperOption
+from typer.core import TyperCommand, TyperGroup, TyperOption
 from typer.models import OptionInfo
 
 from dflash_core.choices import AUTO_DTYPE, DTYPE_NAMES
@@ -77,6 +79,64 @@ def _no_type_for_flags(display_type_rich):
 
 
 TyperOption.display_type_rich = _no_type_for_flags(TyperOption.display_type_rich)  # type: ignore[method-assign]
+
+# The help's description column is never squeezed below this many characters (a word a line is unreadable).
+HELP_COLUMN = 40
+
+
+def _wide_enough(format_help):
+    """`--help` drawn wide enough for every option's full name, at any width: rich fits its option tables to the
+    console, 80 columns off a terminal (`run --help | less`, a CI log), by cutting names (`--draft-sample-m…`) and
+    wrapping descriptions a word a line. The console is as wide as the terminal (or $COLUMNS, $TERMINAL_WIDTH)
+    where that is wider than what the names and a readable description column need, else that: wider than a
+    narrow terminal, whose lines then wrap, but never a name cut. Off a terminal without $COLUMNS, just that."""
+
+    @functools.wraps(format_help)
+    def wide(self, ctx, formatter):
+        from typer import rich_utils  # (typer's consoles read their width from it, when they draw)
+
+        given = rich_utils.MAX_WIDTH
+        rich_utils.MAX_WIDTH = max(given or _console_columns(), help_width(self.get_params(ctx), ctx))
+        try:
+            return format_help(self, ctx, formatter)
+        finally:
+            rich_utils.MAX_WIDTH = given
+
+    return wide
+
+
+def _console_columns() -> int:
+    """The columns help is asked to fit: $COLUMNS, else the terminal's; 0 off a terminal."""
+    import os
+    import shutil
+    import sys
+
+    if (columns := os.environ.get("COLUMNS", "")).isdigit():
+        return int(columns)
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
+
+
+def help_width(params, ctx) -> int:
+    """The width at which rich draws every one of `params` with its full names, its type, and a description column
+    of at least HELP_COLUMN characters. Rich narrows the widest wrapping columns first (the description, then the
+    type), down to the next widest: with both at least as wide as any name column, no name is cut."""
+    columns = [0, 0, 0, 0, 0, 0]  # required mark, long names, short names, their negations (long, short), type
+    for param in params:
+        names = [",".join(o for o in opts if o.startswith("--")) for opts in (param.opts, param.secondary_opts)]
+        shorts = [",".join(o for o in opts if not o.startswith("--")) for opts in (param.opts, param.secondary_opts)]
+        kind = param.display_type_rich(ctx=ctx) or ""
+        if bounds := param._get_number_range_help_str():
+            kind += f" [{bounds}]"
+        for k, cell in enumerate((" " if param.required else "", names[0], shorts[0], names[1], shorts[1], kind)):
+            columns[k] = max(columns[k], len(cell))
+    wide = max(HELP_COLUMN, *columns[1:5])
+    # the description and type columns at `wide` (the type at its own width if narrower); each column's cell
+    # padding (one space either side) and the panel's border and padding
+    return sum(columns[:5]) + min(columns[5], wide) + wide + 2 * 7 + 4
+
+
+TyperCommand.format_help = _wide_enough(TyperCommand.format_help)  # type: ignore[method-assign]
+TyperGroup.format_help = _wide_enough(TyperGroup.format_help)  # type: ignore[method-assign]
 
 
 def example(*lines: str) -> str:
@@ -243,17 +303,84 @@ def read_config(ctx: typer.Context, value: Path | None) -> Path | None:
         found = tomllib.loads(value.read_text())
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise BadParameter(f"{value}: {getattr(e, 'strerror', None) or e}", param_hint="--config") from None
-    # by the option's own name (--max-new-tokens: max-new-tokens or max_new_tokens), to the parameter it sets
-    options = {opt.lstrip("-").replace("-", "_"): p.name for p in ctx.command.params
+    # by the option's own name (--max-new-tokens: max-new-tokens or max_new_tokens), to the option it sets
+    options = {opt.lstrip("-").replace("-", "_"): p for p in ctx.command.params
                if isinstance(p, TyperOption) and p.name != "config" for opt in p.opts}
-    defaults = {}
+    defaults: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # a parameter set: the key that set it
     for key, setting in found.items():
-        if (name := options.get(key.replace("-", "_"))) is None:
+        if (option := options.get(key.replace("-", "_"))) is None:
             raise BadParameter(f"{value}: {key!r} is no option of `{ctx.command_path}` (its options: "
                                f"{', '.join(sorted(o.replace('_', '-') for o in options))})", param_hint="--config")
-        defaults[name] = setting
+        name = cast(str, option.name)
+        if name in keys:
+            raise BadParameter(f"{value}: {keys[name]!r} and {key!r} both set {option.opts[0]}; keep one",
+                               param_hint="--config")
+        keys[name] = key
+        try:
+            defaults[name] = config_value(setting, option)
+        except ValueError as e:
+            raise BadParameter(f"{value}: {key} = {_toml(setting)}: {option.opts[0]} takes {e}",
+                               param_hint="--config") from None
     ctx.default_map = {**(ctx.default_map or {}), **defaults}
     return value
+
+
+def config_value(value: Any, option: TyperOption) -> Any:
+    """A --config value as `option` takes it, or ValueError saying what it takes. TOML's values are typed, and the
+    type is the user's meaning: text where a number is meant, a boolean where a count is (`samples = true`), a
+    number where a path is (`store = 123`) are refused, never read as one another."""
+    kind = option.type_descriptor.annotation  # the option's Python type: bool, int, float, str, Path, a choice
+    if option.multiple:  # a list; one item may be given alone
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(item, str) for item in items):
+            raise ValueError("a list of strings (or one string)")
+        return items
+    if kind is str and option.name in SETTINGS and get_origin(_declared_type(option.name)) is list:
+        # a list setting the command line writes "2,4,8" (block_sizes): TOML's [2, 4, 8] too
+        if isinstance(value, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in value):
+            return ",".join(map(str, value))
+        if isinstance(value, str):
+            return value
+        raise ValueError('whole numbers: a list [2, 4, 8] or a string "2,4,8"')
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        raise ValueError("true or false")
+    if kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ValueError("a whole number")
+    if kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ValueError("a number")
+    if isinstance(value, str):  # text, a path, a choice (the option checks it)
+        return value
+    if isinstance(kind, type) and issubclass(kind, StrEnum):
+        raise ValueError(f"one of {', '.join(choice.value for choice in kind)}, in quotes")
+    raise ValueError('text, in quotes ("...")')
+
+
+def _declared_type(name: str) -> Any:
+    """A declared setting's value type, without None: list[int] for block_sizes."""
+    annotation = SETTINGS[name].field.annotation
+    if get_origin(annotation) in (Union, types.UnionType):
+        annotation = next(a for a in get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _toml(value: Any) -> str:
+    """A TOML value as the file wrote it (near enough for a message): true, 123, "text", [1, 2]."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(map(_toml, value)) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml(v)}" for k, v in value.items()) + "}"
+    return str(value)
 
 
 ConfigFile = Annotated[Path | None, typer.Option(

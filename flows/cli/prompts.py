@@ -40,7 +40,7 @@ def prompts(
     templated text and token ids, with the protocol, the stop ids and where each benchmark's rows came from."""
     from pydantic import ValidationError
 
-    from dflash_core.prompts import PromptError
+    from dflash_core.prompts import PromptError, resolve_prompts
     from dflash_core.published.benchmarks import BenchmarkError, benchmark_names, read_data_option
     from dflash_core.published.prompt_set import benchmark_conversations
     from dflash_eval.flows.settings import Inputs, SettingsError, flag_name, settings_error
@@ -55,6 +55,7 @@ def prompts(
         names = benchmark_names(name)
         if target is None:
             if names is None:
+                resolve_prompts(name)  # a name that is neither a suite nor a file is said as such
                 fail(f"{name} is a suite or a prompt file: give --target, whose tokenizer reads it")
             conversations, uses = benchmark_conversations(names, protocol, read_data_option(data, names), max_samples)
             shown = {"protocol": protocol or "zlab-2026-01", "benchmarks": [u.to_json() for u in uses],
