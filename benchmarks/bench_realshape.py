@@ -18,7 +18,7 @@
               20 and top-p 0.95: most blocks stop after the first), and the expectation's dynamic programming.
               The target's probabilities of the tokens are drawn uniform in [0.05, 1].
   dflash2     the drafts stage (the replay call, as drafts times it) of a DFlash2 drafter at the published
-              Qwen3.8-27B-DFlash2 shape (../shared/notes/dflash2.md: hidden 5120, 5 layers all sliding of
+              Qwen3.8-27B-DFlash2 shape (docs/real-scale.md: hidden 5120, 5 layers all sliding of
               window 2048, non-causal within the block, 32 heads of 128, 8 kv heads, block 8, conv kernel 2,
               group 16, selector rank 256, top-K 16, vocab 248320; intermediate 17408 is not published, the
               Qwen3.6 drafter's is used) against a DFlash drafter with the same backbone (the same tensors,
@@ -29,6 +29,19 @@
               accepts every draft while its unary walk and DFlash, whose argmax is rarely the selector's draft,
               step a token at a time: the walks part). Prints DFlash2/DFlash of each (aim <= 1.3x); above it, or
               with --profile, where the time goes (backbone and convolutions, head, logits, selector, walks).
+  dspark      the drafts stage (the replay call) of a DSpark drafter in DeepSpec's convention (Qwen3DSparkModel, its
+              fields at the top level, block_size 7 with every slot drafting: up to 8 tokens a step; markov_rank 256
+              vanilla and the confidence head reading the Markov embedding, as DeepSpec's released Qwen3 DSpark
+              configs) on the Qwen3.6-27B drafter's backbone (the drafts stage's shape above), against a DFlash drafter
+              holding the same backbone tensors (DFlashDraftModel read with drafts_from_anchor: the same 7 slots and
+              8-token blocks, without the Markov and confidence heads), the same references and features, timed
+              alternately in one process (--repeats each, the fastest kept), with a third run of DSpark at a confidence
+              threshold of 0.5 (replay's verify_threshold: the walk goes on past the first rejected draft while the
+              slots clear it). DSpark's replay also replays its backbone's argmax alone and counts per-position Markov
+              hits. Two cases as dflash2's: random references, and accepting ones built from DSpark's own Markov walk
+              over the features. Prints DSpark/DFlash of each (aim <= 1.15x), and at the threshold; above the aim,
+              or with --profile, where the time goes (backbone, head matmuls, Markov head, confidence head, the walk past the
+              rejected draft, walks).
   agreement   the drafts stage in bf16 against float32 on the same float32 features, with the tiny
               trained run (real acceptance; built or reused from ~/.cache/dflash-eval/tiny): fraction of
               identical acceptance lengths at every position, and the tau difference.
@@ -40,7 +53,8 @@ overhead is well under 1% here: a few thousand ops, each milliseconds long). The
 extrapolates a full evaluation to a box of C cores (assumptions printed with it).
 
 Run: .venv/bin/python benchmarks/bench_realshape.py [--threads 2] [--refs 8] [--long-tokens 8192]
-     [--stages drafts,extraction,agreement,sampled,dflash2,long] [--repeats 2] [--profile]
+     [--stages drafts,extraction,agreement,sampled,dflash2,dspark,long] [--repeats 2] [--profile]
+     DSpark against DFlash on a shared 2-core box: --stages dspark --threads 1 --refs 2 --repeats 2
 """
 
 import argparse
@@ -191,7 +205,7 @@ def stage_sampled(n_refs: int, prompt_len: int, new_tokens: int) -> dict:
             "peak_rss_gb": peak_rss_gb()}
 
 
-# The published Qwen3.8-27B-DFlash2 drafter (../shared/notes/dflash2.md, "Published checkpoints"): 5 layers, all sliding
+# The published Qwen3.8-27B-DFlash2 drafter (docs/real-scale.md, "DFlash2's drafts stage"): 5 layers, all sliding
 # of window 2048, top-level is_causal false, 32 / 8 heads of 128, block 8, target layers [5, 19, 33, 47, 61] of 64,
 # conv kernel 2 and group 16, selector rank 256 and top-K 16. Its intermediate size is not published: the Qwen3.6-27B
 # drafter's (17408) stands in.
@@ -250,6 +264,80 @@ def dflash2_pair(layers: int = 5, vocab: int = VOCAB, device="cpu", dtype=torch.
     return dflash2, dflash
 
 
+# A DSpark drafter (DeepSpec's Qwen3DSparkModel) on the Qwen3.6-27B drafter's backbone (real_shape_drafter's shape:
+# hidden 5120, 5 layers, 4 sliding of window 2048 and 1 full, 32 / 4 heads of 128, intermediate 17408), in DeepSpec's
+# config layout: its fields at the top level, no dflash_config, block_size 7 with every slot drafting (7 drafts, up to
+# 8 tokens a step). Its heads as DeepSpec's released Qwen3 DSpark configs (4B, 8B and 14B) give them: markov_rank 256,
+# markov_head_type vanilla, the confidence head on, reading the Markov embedding too.
+DSPARK_BLOCK = 7
+DSPARK_FIELDS = {"markov_rank": 256, "markov_head_type": "vanilla", "enable_confidence_head": True,
+                 "confidence_head_with_markov": True}
+DSPARK_AIM = 1.15  # DSpark's drafts stage at most this many times DFlash's
+DSPARK_THRESHOLD = 0.5  # the confidence threshold of the third timed run (replay's verify_threshold)
+
+
+def dspark_shape_config(architecture: str, layers: int = 5, vocab: int = VOCAB):
+    """A DeepSpec DSpark drafter's config at the Qwen3.6-27B drafter's shape; with architecture DFlashDraftModel, the
+    same backbone without the heads, read with drafts_from_anchor as DeepSpec's saves are (every slot drafts), so its
+    blocks are DSpark's: 7 slots, up to 8 tokens a step."""
+    import dataclasses
+
+    from dflash_core.drafter_config import DrafterConfig
+
+    dspark = architecture == "Qwen3DSparkModel"
+    config = DrafterConfig.from_dict({
+        "architectures": [architecture], "model_type": "qwen3", "hidden_size": HIDDEN,
+        "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 17408, "rms_norm_eps": 1e-6, "attention_bias": False, "hidden_act": "silu",
+        "rope_parameters": {"rope_theta": 1e7, "rope_type": "default"}, "max_position_embeddings": 262144,
+        "vocab_size": vocab, "block_size": DSPARK_BLOCK, "num_target_layers": 64,
+        "target_layer_ids": list(FEATURE_LAYERS), "mask_token_id": min(248070, vocab - 1),
+        "layer_types": ["sliding_attention"] * (layers - 1) + ["full_attention"], "sliding_window": 2048,
+        "use_sliding_window": True, "dtype": "bfloat16", "tie_word_embeddings": False,
+        **(DSPARK_FIELDS if dspark else {}),
+    }, source=f"the Qwen3.6-27B drafter shape as a DeepSpec {architecture}")
+    assert config.drafts_from_anchor == dspark
+    return config if dspark else dataclasses.replace(config, drafts_from_anchor=True)
+
+
+def dspark_pair(layers: int = 5, vocab: int = VOCAB, device="cpu", dtype=torch.bfloat16):
+    """(DSpark drafter, DFlash drafter) at the Qwen3.6-27B drafter's shape, random: std 0.02 normal matrices, norms 1,
+    as real_shape_drafter; the Markov embedding markov_w1 std 1 and markov_w2 std 0.5 (the bias of a slot's logits
+    about std 8 against the backbone's 1.4: the Markov walk's drafts stand clear of bf16's rounding, and of the
+    backbone's argmax, which rarely is the walk's draft); the confidence head's bias 0 (each slot clears a 0.5
+    threshold about half the time). The DFlash drafter (DFlashDraftModel, drafts_from_anchor) holds the DSpark one's
+    backbone tensors themselves (no copy): the same weights and blocks, without the Markov and confidence heads."""
+    from dflash_core.drafter import DFlashDrafter
+
+    with torch.device("meta"):  # filled in bf16 directly, as real_shape_drafter does
+        dspark = DFlashDrafter(dspark_shape_config("Qwen3DSparkModel", layers, vocab))
+        dflash = DFlashDrafter(dspark_shape_config("DFlashDraftModel", layers, vocab))
+    dspark = dspark.to(dtype).to_empty(device=device).eval()
+    with torch.no_grad():
+        for name, p in dspark.named_parameters():
+            if name == "markov_head.markov_w1.weight":
+                p.normal_(0, 1.0)
+            elif name == "markov_head.markov_w2.weight":
+                p.normal_(0, 0.5)
+            elif name == "confidence_head.proj.bias":
+                p.zero_()
+            elif p.ndim == 2:
+                p.normal_(0, 0.02)
+            else:
+                p.fill_(1.0)
+    shared = dspark.state_dict()
+    assert set(shared) - set(dflash.state_dict()) == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight",
+                                                      "confidence_head.proj.weight", "confidence_head.proj.bias"}
+    dflash.load_state_dict({name: shared[name] for name in dflash.state_dict()}, assign=True)
+    dflash.eval()
+    for drafter in (dspark, dflash):  # float32 rope frequencies, as load_drafter keeps
+        drafter.rotary = Qwen3RotaryEmbedding(drafter.cfg.rope).to(device)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(dflash.parameters(), (shared[n] for n, _ in
+                                                                                  dflash.named_parameters())))
+    assert dspark.block_size == dflash.block_size and dspark.cfg.drafts_from_anchor and dflash.cfg.drafts_from_anchor
+    return dspark, dflash
+
+
 class ReplayProfile:
     """Inclusive seconds in the replay's parts, by wrapping them (class attributes, restored on exit). The wrappers
     cost microseconds a call; the parts they time cost milliseconds."""
@@ -280,16 +368,35 @@ class ReplayProfile:
     def __enter__(self):
         from dflash_core import drafter as d
         from dflash_core import replay as r
+        from dflash_core.generations import dflash2, dspark
 
         profile = self
         for owner, attribute, label in (
                 (r.BlockScorer, "__init__", "context"), (r.BlockScorer, "_hidden", "hidden"),
                 (r.BlockScorer, "_accept", "accept"), (r.BlockScorer, "_count_choices", "count_choices"),
                 (d.DFlashDrafter, "forward", "forward"), (d.DFlashDrafter, "draft", "draft"),
-                (d.DFlashDrafter, "_processed", "processed"), (d.CandidateSelector, "forward", "selector"),
-                (d.DynamicConv, "convolve", "convolve")):
+                (d.DFlashDrafter, "_head", "head"), (d.DFlashDrafter, "_processed", "processed"),
+                (dflash2.CandidateSelector, "forward", "selector"), (dflash2.DynamicConv, "convolve", "convolve"),
+                (dspark.MarkovHead, "forward", "markov"), (dspark.DSpark, "confidences", "confidences")):
             self._wrap(owner, attribute, label)
-        around = d.DynamicConv.__dict__["around"]
+        past = r.BlockScorer.__dict__["_verified_past_the_accepted"]
+
+        def timed_past(*args, **kwargs):  # DSpark's walk past the first draft not accepted: its parts as "past <part>"
+            before, calls, start = dict(profile.seconds), dict(profile.calls), time.perf_counter()
+            try:
+                return past(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                for label in [label for label in profile.calls if not label.startswith("past")]:
+                    if profile.calls[label] != calls.get(label, 0):
+                        profile.seconds["past " + label] = (profile.seconds.get("past " + label, 0.0)
+                                                            + profile.seconds[label] - before.get(label, 0.0))
+                        profile.calls["past " + label] = (profile.calls.get("past " + label, 0)
+                                                          + profile.calls[label] - calls.get(label, 0))
+                profile._add("past", elapsed)
+        r.BlockScorer._verified_past_the_accepted = timed_past
+        self._restore.append((r.BlockScorer, "_verified_past_the_accepted", past))
+        around = dflash2.DynamicConv.__dict__["around"]
 
         def timed_around(conv, sublayer, x):  # the convolutions' own time: around, less its sublayer
             inner = 0.0
@@ -306,8 +413,8 @@ class ReplayProfile:
                 return around(conv, timed_sublayer, x)
             finally:
                 profile._add("conv", time.perf_counter() - start - inner)
-        d.DynamicConv.around = timed_around
-        self._restore.append((d.DynamicConv, "around", around))
+        dflash2.DynamicConv.around = timed_around
+        self._restore.append((dflash2.DynamicConv, "around", around))
         tokens = d.Drafts.__dict__["tokens"]
 
         def timed_tokens(drafts):
@@ -348,6 +455,44 @@ class ReplayProfile:
             "selector walk: choosing drafts (Drafts.tokens)": tokens,
             "both walks' matching (_accept, less the above)": t("accept", 0.0) - draft - tokens - t("count_choices", 0.0),
             "selector_positions counts": t("count_choices", 0.0),
+            "replay's decode loop and results": total - t("context", 0.0) - t("hidden", 0.0) - t("accept", 0.0),
+        }
+
+    def dspark_parts(self, total: float) -> dict[str, float]:
+        """Exclusive seconds per part of a DSpark (or DFlash) replay that took `total`: the parts DSpark adds to DFlash's
+        (the Markov head, the float32 logits it biases, the confidence head, the walk past the first draft not accepted
+        under a verify threshold) apart from the backbone's."""
+        t = self.seconds.get
+
+        def walk(prefix: str) -> dict[str, float]:
+            head, processed, markov = t(prefix + "head", 0.0), t(prefix + "processed", 0.0), t(prefix + "markov", 0.0)
+            return {"head": head, "processed": processed, "markov": markov,
+                    "rest": t(prefix + "draft", 0.0) - head - processed - markov,
+                    "confidences": t(prefix + "confidences", 0.0), "tokens": t(prefix + "tokens", 0.0)}
+
+        everything, past = walk(""), walk("past ")
+        inside = {name: everything[name] - past[name] for name in everything}  # outside the walk past the accepted
+        past_total = t("past", 0.0)
+        return {
+            "context keys/values (fc, k/v projections)": t("context", 0.0),
+            "backbone layers (attention, MLP, norms)": t("forward", 0.0),
+            "block inputs (embeddings, padded context)": t("hidden", 0.0) - t("forward", 0.0),
+            "head matmul (hidden @ lm_head.T)": inside["head"],
+            "float32 logits of the head (_processed)": inside["processed"],
+            "Markov head (markov_w1 rows, markov_w2 to [.., V])": inside["markov"],
+            "biased logits (+ bias), argmax (draft, less the above)": inside["rest"],
+            "Markov walk's argmax (Drafts.tokens)": inside["tokens"],
+            "confidence head (confidences)": inside["confidences"],
+            "walk past the rejected draft: head matmul": past["head"],
+            "walk past the rejected draft: float32 logits": past["processed"],
+            "walk past the rejected draft: Markov head, + bias": past["markov"] + past["rest"],
+            "walk past the rejected draft: argmax (tokens)": past["tokens"],
+            "walk past the rejected draft: confidence head": past["confidences"],
+            "walk past the rejected draft: the rest": past_total - sum(past.values()),
+            "both walks' matching (_accept, less the above)": t("accept", 0.0) - t("draft", 0.0) - t("tokens", 0.0)
+            - t("count_choices", 0.0) - t("confidences", 0.0) - past_total + t("past draft", 0.0)
+            + t("past tokens", 0.0) + t("past confidences", 0.0),
+            "markov_positions counts (_count_choices)": t("count_choices", 0.0),
             "replay's decode loop and results": total - t("context", 0.0) - t("hidden", 0.0) - t("accept", 0.0),
         }
 
@@ -411,10 +556,10 @@ def dflash2_case(drafters: dict, embed, head, refs, features, repeats: int, prof
     out = {"seconds": seconds, "ratio": min(seconds["DFlash2"]) / min(seconds["DFlash"]),
            "blocks": sum(len(r.acceptance_lengths) for r in results["DFlash"]),
            "dflash2_blocks": sum(len(r.acceptance_lengths) for r in results["DFlash2"]),
-           "unary_blocks": sum(len(r.unary.acceptance_lengths) for r in results["DFlash2"]),
-           "scored_blocks": sum(len(set(r.starts) | set(r.unary.starts)) for r in results["DFlash2"]),
+           "unary_blocks": sum(len(r.base.acceptance_lengths) for r in results["DFlash2"]),
+           "scored_blocks": sum(len(set(r.starts) | set(r.base.starts)) for r in results["DFlash2"]),
            "taus": {name: tau(rs) for name, rs in results.items()},
-           "unary_tau": tau([r.unary for r in results["DFlash2"]])}
+           "unary_tau": tau([r.base for r in results["DFlash2"]])}
     if profile or out["ratio"] > DFLASH2_AIM:
         out["profile"] = {}
         for name, drafter in drafters.items():
@@ -466,6 +611,118 @@ def profile_lines(prof: dict) -> list[str]:
     lines.append(f"      {'total':<50} {prof['DFlash']['seconds']:8.2f} {prof['DFlash2']['seconds']:8.2f} "
                  f"{extra_total:+8.2f} (blocks scored {prof['DFlash']['blocks_scored']} and "
                  f"{prof['DFlash2']['blocks_scored']})")
+    return lines
+
+
+def stage_dspark(n_refs: int, prompt_len: int, new_tokens: int, repeats: int, profile: bool) -> dict:
+    torch.manual_seed(0)
+    dspark, dflash = dspark_pair()
+    embed, head, refs, features = random_inputs(n_refs, prompt_len, new_tokens, len(FEATURE_LAYERS))
+    for drafter in (dflash, dspark):
+        warm_up(drafter, embed, head, refs, features)
+    start = time.perf_counter()
+    accepting = accepting_references(dspark, embed, head, refs, features)
+    out = {"building_seconds": time.perf_counter() - start}
+    for case, case_refs in (("random", refs), ("accepting", accepting)):
+        out[case] = dspark_case(dspark, dflash, embed, head, case_refs, features, repeats, profile)
+    out["peak_rss_gb"] = peak_rss_gb()
+    return out
+
+
+def dspark_case(dspark, dflash, embed, head, refs, features, repeats: int, profile: bool) -> dict:
+    """DFlash's, DSpark's and DSpark's at the confidence threshold DSPARK_THRESHOLD replays of refs, timed alternately
+    (the fastest of repeats kept); their steps, blocks scored, taus, verified drafts; where the time goes when asked
+    for or above the aim."""
+    from dflash_core.replay import replay
+
+    runs = {"DFlash": (dflash, 0.0), "DSpark": (dspark, 0.0), f"DSpark t={DSPARK_THRESHOLD}": (dspark, DSPARK_THRESHOLD)}
+
+    def timed(name: str) -> tuple[float, list]:
+        drafter, threshold = runs[name]
+        start = time.perf_counter()
+        with torch.no_grad():
+            results = replay(drafter, embed, head, refs, features, verify_threshold=threshold)
+        return time.perf_counter() - start, results
+
+    def tau(results) -> float:
+        return sum(map(sum, (r.acceptance_lengths for r in results))) / sum(len(r.acceptance_lengths) for r in results)
+
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    results = {}
+    for _ in range(repeats):  # alternately, so another process's load falls on all alike
+        for name in runs:
+            elapsed, results[name] = timed(name)
+            seconds[name].append(elapsed)
+    best = {name: min(times) for name, times in seconds.items()}
+    out = {"seconds": seconds,
+           "ratios": {name: best[name] / best["DFlash"] for name in runs if name != "DFlash"},
+           "steps": {name: sum(len(r.acceptance_lengths) for r in rs) for name, rs in results.items()},
+           "scored_blocks": {name: sum(len(set(r.starts) | set(r.base.starts if r.base else ())) for r in rs)
+                             for name, rs in results.items()},
+           "taus": {name: tau(rs) for name, rs in results.items()},
+           "backbone_tau": tau([r.base for r in results["DSpark"]]),
+           "verified": {name: sum(map(sum, (r.verified_drafts for r in rs))) / sum(len(r.verified_drafts) for r in rs)
+                        for name, rs in results.items() if rs[0].verified_drafts is not None}}
+    if profile or out["ratios"]["DSpark"] > DSPARK_AIM:
+        out["profile"] = {}
+        for name in runs:
+            with ReplayProfile() as p:
+                elapsed, _ = timed(name)
+            out["profile"][name] = {"seconds": elapsed, "blocks_scored": p.blocks, "parts": p.dspark_parts(elapsed),
+                                    "calls": p.calls}
+    return out
+
+
+def dspark_lines(found: dict, args) -> list[str]:
+    lines = [f"dspark: the drafts stage (replay) of a DSpark drafter (DeepSpec's Qwen3DSparkModel, markov_rank "
+             f"{DSPARK_FIELDS['markov_rank']} vanilla, confidence head with Markov) on the Qwen3.6-27B drafter's backbone, "
+             f"against DFlash with the same backbone tensors, {args.refs} references x ({args.prompt_len} + "
+             f"{args.new_tokens}) tokens, {DSPARK_BLOCK} slots (every slot drafts: up to {DSPARK_BLOCK + 1} tokens a "
+             f"step), fastest of {args.repeats}; peak RSS {found['peak_rss_gb']:.1f} GB"]
+    threshold = f"DSpark t={DSPARK_THRESHOLD}"
+    for case, title in (("random", "random references (no draft accepted)"),
+                        ("accepting", f"accepting references (DSpark's Markov walk accepts every draft; built in "
+                                      f"{found['building_seconds']:.1f} s)")):
+        d = found[case]
+        best = {name: min(times) for name, times in d["seconds"].items()}
+        lines.append(f"  {title}:")
+        for name, label in (("DFlash", "DFlash (same backbone)"), ("DSpark", "DSpark (Markov + backbone walk)"),
+                            (threshold, f"DSpark, verify threshold {DSPARK_THRESHOLD}")):
+            verified = f", {d['verified'][name]:.2f} drafts verified per step" if name in d["verified"] else ""
+            backbone = f"; backbone walk tau {d['backbone_tau']:.2f}" if name == "DSpark" else ""
+            lines.append(f"    {label}: {best[name]:.2f} s ({', '.join(f'{t:.2f}' for t in d['seconds'][name])}); "
+                         f"{d['steps'][name]} steps, tau {d['taus'][name]:.2f}{verified}; {d['scored_blocks'][name]} "
+                         f"blocks scored, {best[name] / d['scored_blocks'][name] * 1e3:.0f} ms per block{backbone}")
+        for name, label in (("DSpark", "DSpark/DFlash"), (threshold, f"DSpark/DFlash at threshold {DSPARK_THRESHOLD}")):
+            ratio = d["ratios"][name]
+            per_block = ratio * d["scored_blocks"]["DFlash"] / d["scored_blocks"][name]
+            # the aim is DSpark's against DFlash's as both are served by default; a threshold adds what DFlash never
+            # does: the drafts each step verifies past its first rejected draft need the head at slots past it
+            aim = (f"aim <= {DSPARK_AIM}x: {'within' if ratio <= DSPARK_AIM else 'ABOVE'}" if name == "DSpark"
+                   else "no aim: it also counts the drafts verified past the first rejected one")
+            lines.append(f"    {label}: {ratio:.2f}x ({aim}); per scored block {per_block:.2f}x")
+        if "profile" in d:
+            lines.extend(dspark_profile_lines(d["profile"]))
+    lines.append("  (random weights, the Markov bias dominating the backbone's logits. Random references: no draft is\n"
+                 "   accepted, so every walk starts the same blocks and the heads run at position 1 (at the threshold the\n"
+                 "   walk goes on past the rejected draft while the slots clear it). Accepting references: DSpark's Markov\n"
+                 "   walk accepts every draft, so its heads run at every position of its blocks, while its backbone walk\n"
+                 "   and DFlash, whose argmax is rarely the walk's draft, score a block at every start: the most a DSpark\n"
+                 "   replay of these references can do beyond DFlash's)")
+    return lines
+
+
+def dspark_profile_lines(prof: dict) -> list[str]:
+    names = list(prof)
+    lines = ["    where the time goes (one more replay each, timed by part; exclusive seconds):",
+             f"      {'part':<56} " + " ".join(f"{n:>14}" for n in names)]
+    for part in prof[names[0]]["parts"]:
+        lines.append(f"      {part:<56} " + " ".join(f"{prof[n]['parts'][part]:14.2f}" for n in names))
+    lines.append(f"      {'total':<56} " + " ".join(f"{prof[n]['seconds']:14.2f}" for n in names))
+    lines.append(f"      {'blocks scored':<56} " + " ".join(f"{prof[n]['blocks_scored']:14d}" for n in names))
+    for label, key in (("head matmuls (passes over lm_head)", "head"), ("  of them past the rejected draft", "past head"),
+                       ("Markov head calls", "markov")):
+        lines.append(f"      {label:<56} " + " ".join(f"{prof[n]['calls'].get(key, 0):14d}" for n in names))
     return lines
 
 
@@ -575,6 +832,8 @@ def child(args) -> None:
         result = stage_sampled(args.refs, args.prompt_len, args.new_tokens)
     elif args.stage == "dflash2":
         result = stage_dflash2(args.refs, args.prompt_len, args.new_tokens, args.repeats, args.profile)
+    elif args.stage == "dspark":
+        result = stage_dspark(args.refs, args.prompt_len, args.new_tokens, args.repeats, args.profile)
     else:
         result = stage_agreement()
     print("RESULT " + json.dumps(result))
@@ -625,8 +884,10 @@ def main():
     parser.add_argument("--extract-tokens", type=int, default=512)
     parser.add_argument("--long-tokens", type=int, default=8192)
     parser.add_argument("--stages", default="drafts,extraction,agreement")
-    parser.add_argument("--repeats", type=int, default=2, help="dflash2: timed replays of each drafter, alternately")
-    parser.add_argument("--profile", action="store_true", help="dflash2: where the time goes, whatever the ratio")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="dflash2, dspark: timed replays of each drafter, alternately")
+    parser.add_argument("--profile", action="store_true",
+                        help="dflash2, dspark: where the time goes, whatever the ratio")
     parser.add_argument("--stage", help=argparse.SUPPRESS)  # a child process runs one stage
     args = parser.parse_args()
     if args.stage:
@@ -661,6 +922,8 @@ def main():
                   "one per token: tau x this)")
     if "dflash2" in found:
         print("\n".join(dflash2_lines(found["dflash2"], args)))
+    if "dspark" in found:
+        print("\n".join(dspark_lines(found["dspark"], args)))
     if "agreement" in found:
         a = found["agreement"]
         print(f"bf16 vs float32 drafts (tiny trained run, same float32 features): {a['identical']}/{a['positions']} "

@@ -28,7 +28,7 @@ def start_server(target_dir) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.flows.cli", "serve-reference", "--target", str(target_dir),
+    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.cli", "serve-reference", "--target", str(target_dir),
                                 "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in process.stdout:
         if "listening on" in line:

@@ -42,7 +42,7 @@ def start_relay(root: Path, state: Path, max_rate_mb: float | None = None) -> tu
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    command = [sys.executable, "-m", "dflash_eval.flows.cli", "relay", "serve", str(root), "--port", str(port),
+    command = [sys.executable, "-m", "dflash_eval.cli", "relay", "serve", str(root), "--port", str(port),
                "--settle-seconds", "0", "--state-dir", str(state)]
     if max_rate_mb:
         command += ["--max-rate-mb", str(max_rate_mb)]

@@ -1,5 +1,7 @@
-"""The names a setting of the DFlash code may take, in a module that imports nothing, so that the command line
-builds its choices from them without importing torch (seconds, for every command and every `--help`)."""
+"""The names a setting of the DFlash code may take, in a module that imports nothing (but typing), so that the
+command line builds its choices from them without importing torch (seconds, for every command and every `--help`)."""
+
+from typing import Literal
 
 # How sliding-window drafter layers treat the block when the drafter's config does not say (no is_causal;
 # dflash_core.drafter). "causal": block position k sees block positions <= k and a window over context + block,
@@ -23,3 +25,8 @@ DEFAULT_ATTENTION = "sdpa"  # what every target ran with before the choice exist
 
 # Prompts the drafts stage replays together (one replay group; on a Dask cluster, one shard).
 DEFAULT_REPLAY_GROUP = 64
+
+# How drafts are drawn, as vLLM names it (draft_sample_method): "greedy", the drafter's argmax, accepted iff emitted
+# (SGLang, vLLM's default); "probabilistic", sampled from the drafter's q and accepted by rejection sampling (dflash
+# 0.1.0, vLLM's "probabilistic"). The setting (flows/settings.py) and dflash_core.sampling.Served share this type.
+DraftSampleMethod = Literal["greedy", "probabilistic"]

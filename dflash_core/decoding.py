@@ -95,7 +95,7 @@ def greedy_decode(target: Target, prompt_ids, max_new_tokens: int, stop_token_id
 def speculative_decode(
     target: Target, drafter: DFlashDrafter, prompt_ids, max_new_tokens: int, stop_token_ids=(),
     sampling: Sampling = GREEDY, rule: Verification = "match", generator: torch.Generator | None = None,
-    block_size: int | None = None, draft_sampling: Sampling | None = None,
+    block_size: int | None = None, draft_sampling: Sampling | None = None, verify_threshold: float = 0.0,
 ) -> DecodeResult:
     """Speculative decoding with the target verifying every block.
 
@@ -108,7 +108,12 @@ def speculative_decode(
     the drafter runs on b positions, not on its whole block cut short. draft_sampling: draw each draft from the
     drafter's logits processed so (q; DFlash2: its selector's softmax at that temperature) and verify by rejection sampling against the target's p (`rule` is then
     not used: dflash_core.sampling.verify_sampled_block), as dflash 0.1.0 and vLLM's probabilistic drafting do.
+    verify_threshold: a drafter that schedules its verification (DSpark's confidence head) verifies only the drafts
+    before the first one it is less confident of than this, as DeepSpec's evaluator does (0: every draft).
     """
+    if verify_threshold and not drafter.generation.schedules_verification(drafter.cfg):
+        raise ValueError(f"a verify threshold needs a drafter that schedules its verification; this "
+                         f"{drafter.generation.NAME} drafter verifies every draft")
     check_compatible(drafter.cfg, target.hidden_size, target.vocab_size, target.num_layers)
     ids = _check_prompt(target, prompt_ids, max_new_tokens)
     B = drafter.block_size if block_size is None else check_block_size(block_size, drafter.block_size)
@@ -139,6 +144,12 @@ def speculative_decode(
         # q [drafts, V] when sampled
         drafting = hidden[0] if drafter.cfg.drafts_from_anchor else hidden[0, 1:]
         drafts, draft_probs = drafter.draft_block(drafting, head, ids[start], draft_sampling, generator)
+        if verify_threshold:  # the drafts before the first the drafter is not confident of (given those before it)
+            previous = torch.tensor([[ids[start], *drafts[:-1]]], device=drafter.device)
+            confidence = drafter.generation.confidences(drafter, drafting[None], previous)
+            assert confidence is not None, "the verify threshold was checked against the drafter"
+            verified = int(drafter.generation.verified_drafts(confidence, verify_threshold)[0])
+            drafts, draft_probs = drafts[:verified], None if draft_probs is None else draft_probs[:verified]
 
         verify = [ids[start]] + drafts
         snapshot = _snapshot(recurrent)

@@ -1,8 +1,10 @@
-"""The DFlash drafter: a small block-diffusion model conditioned on the target's hidden states, and DFlash2's.
+"""The DFlash drafter: a small block-diffusion model conditioned on the target's hidden states, the backbone every
+drafter generation shares (dflash_core.generations: DFlash is the backbone alone, DFlash2 adds its modules).
 
-Read top to bottom: norm, attention, MLP, DFlash2's convolution, decoder layer, the drafter (its forward pass
-first, then how it drafts a block), DFlash2's candidate selector and drafter, then loading and saving a
-checkpoint. Its config.json is read and validated in drafter_config.py.
+Read top to bottom: norm, attention, MLP, decoder layer, the backbones, the drafter (its forward pass first, then how
+it drafts a block), then loading and saving a checkpoint. Its config.json is read and validated in drafter_config.py.
+The norms, layers, RoPE and embedding scale above are the Qwen3-style backbone's; DeepSpec's Gemma4DSparkModel runs
+Gemma 4's (gemma4_backbone.py), picked by the config's architecture (Backbone, BACKBONES).
 
 One forward drafts a whole block of B tokens: the block is [bonus token, MASK x (B-1)] at absolute
 positions start .. start+B-1, and block position k predicts token start+k (no shift). Queries come
@@ -14,18 +16,17 @@ Parameter names equal the checkpoint's keys (fc.weight, layers.N.self_attn.q_pro
 There is no embedding and, but for a speculators save with a reduced vocabulary (its own lm_head over the kept
 tokens and their target ids, d2t), no lm_head: the target's are used (see token_head.py).
 
-DFlash2 (z-lab's DFlash2DraftModel) is the same backbone plus a grouped dynamic convolution around every attention
-and MLP sublayer, within the block, and a candidate selector: its draft at block position k is chosen among the
-head's top K tokens there by a score that depends on the token drafted at k - 1 (the anchor at k = 1), so a
-block's drafts are a walk from the anchor rather than an argmax per position. While the drafts match the
-reference, the token before each is the reference's: scoring a position given the reference token before it is
-what the walk drafts there, which keeps the offline replay exact and batched (dflash_core.replay).
+A generation with a head (DFlash2's candidate selector) chooses each draft given the token drafted before it (the
+anchor at block position 1), so a block's drafts are a walk from the anchor rather than an argmax per position.
+While the drafts match the reference, the token before each is the reference's: drafting a position given the
+reference's token before it is what the walk drafts there, which keeps the offline replay exact and batched
+(dflash_core.replay).
 
 Shapes in comments: N blocks (or sequences), B block size, S context length, T tokens, H hidden size,
 K target layers read, n_heads / n_kv query / key-value heads, hd head dim.
 
-Why this module is long: it is the drafter's whole forward path, DFlash and DFlash2, in one file read top to
-bottom (as a transformers modeling file is), with the loading that checks every weight against it.
+Why this module is long: it is the drafter's whole forward path in one file read top to bottom (as a transformers
+modeling file is), with the loading that checks every weight against it.
 """
 
 import json
@@ -33,7 +34,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,8 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from .checkpoint_files import WeightFilesError, weight_files
 from .choices import SLIDING_SEMANTICS
 from .drafter_config import DrafterConfig, DrafterConfigWarning, DrafterError, read_drafter_config
+from .gemma4_backbone import Gemma4Backbone
+from .generations import Generation, HeadChoice, SublayerWrapper, generations
 from .sampling import Sampling, draw
 
 # One layer's context keys and values, each [N, n_kv, S, hd] (or [n_kv, T, hd] for one sequence).
@@ -118,49 +121,9 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DynamicConv(nn.Module):
-    """DFlash2's grouped dynamic causal convolution around one sublayer, within the block.
-
-    Two convolutions, one on the sublayer's (normed) input and one on its output, each
-
-        out[t, c] = sum_{o < kernel} (base[o, c] + dynamic[t, o, c // group]) * x[t - o, c]
-
-    with x[t - o] = 0 before the block's first position: the taps never reach past the block (the context enters
-    through attention only). base taps are per channel (base_kernel[0] before the sublayer, [1] after it); the
-    dynamic taps, one per group of `group_size` channels, both come from the sublayer's input.
-    """
-
-    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
-        super().__init__()
-        self.kernel_size, self.group_size = kernel_size, group_size
-        self.groups = hidden_size // group_size
-        # the identity until trained (a tap of 1 at offset 0), as DFlash2 recipes start it
-        self.base_kernel = nn.Parameter(F.pad(torch.ones(2, 1, hidden_size), (0, 0, 0, kernel_size - 1)))
-        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
-
-    def around(self, sublayer: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """sublayer wrapped in the two convolutions; x [N, B, H] its normed input."""
-        N, B, _ = x.shape
-        dynamic = self.kernel_projection(x).view(N, B, 2, self.kernel_size, self.groups)
-        y = sublayer(self.convolve(x, dynamic[:, :, 0], self.base_kernel[0]))
-        return self.convolve(y, dynamic[:, :, 1], self.base_kernel[1])
-
-    def convolve(self, x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """x [N, B, H], dynamic [N, B, kernel, groups], base [kernel, H] -> [N, B, H]. The terms are added in the order
-        z-lab's reference adds them (base, then dynamic, offset by offset), so bf16 rounds as it does."""
-        N, B, H = x.shape
-        x = x.view(N, B, self.groups, self.group_size)
-        out = torch.zeros_like(x)
-        for offset in range(self.kernel_size):
-            # x[t - offset]: zeros for the first `offset` positions of the block
-            past = torch.cat([x.new_zeros(N, min(offset, B), self.groups, self.group_size), x[:, :B - offset]], 1)
-            out = out + base[offset].view(self.groups, self.group_size).to(x.dtype) * past
-            out = torch.addcmul(out, dynamic[:, :, offset, :, None], past)
-        return out.view(N, B, H)
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream (DFlash2: each wrapped in a DynamicConv)."""
+    """Pre-norm attention and MLP, each added to the residual stream; a generation may wrap either sublayer (DFlash2:
+    in its convolutions), under the tensor name it gives the wrapper."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -168,23 +131,61 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.attention_conv: DynamicConv | None = None
-        self.mlp_conv: DynamicConv | None = None
-        if cfg.has_selector:
-            assert cfg.conv_kernel_size is not None and cfg.conv_group_size is not None  # drafter_config requires them
-            self.attention_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
-            self.mlp_conv = DynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
+        self.wrapped: dict[str, str] = {}  # sublayer ("attention", "mlp") -> its wrapper's module name
+        for sublayer, (name, wrapper) in cfg.generation.sublayer_wrappers(cfg).items():
+            self.add_module(name, wrapper)
+            self.wrapped[sublayer] = name
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, context_k: torch.Tensor,
                 context_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         def attend(h: torch.Tensor) -> torch.Tensor:
             return self.self_attn(h, cos, sin, context_k, context_v, mask)
 
-        h = self.input_layernorm(x)
-        x = x + (attend(h) if self.attention_conv is None else self.attention_conv.around(attend, h))
-        h = self.post_attention_layernorm(x)
-        x = x + (self.mlp(h) if self.mlp_conv is None else self.mlp_conv.around(self.mlp, h))
-        return x
+        x = x + self._sublayer("attention", attend, self.input_layernorm(x))
+        return x + self._sublayer("mlp", self.mlp, self.post_attention_layernorm(x))
+
+    def _sublayer(self, name: str, sublayer: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
+        """The sublayer on its normed input h, inside its wrapper when the generation gives it one."""
+        wrapper = self.wrapped.get(name)
+        return sublayer(h) if wrapper is None else cast(SublayerWrapper, self.get_submodule(wrapper)).around(sublayer, h)
+
+
+class Backbone(Protocol):
+    """What differs between the backbones a drafter runs, picked by its config's architecture (DrafterConfig.backbone):
+    its norms (hidden_norm, the final norm), its decoder layers (each called as DecoderLayer is, its self_attn giving
+    keys_values), its RoPE (rotary(x, positions [N, T]) -> cos, sin [N, T, hd]) and how the block's token embeddings
+    are scaled."""
+
+    def norm(self, cfg: DrafterConfig) -> nn.Module: ...
+
+    def layer(self, cfg: DrafterConfig, index: int) -> nn.Module: ...
+
+    def rotary(self, cfg: DrafterConfig) -> nn.Module: ...
+
+    def scale_embeddings(self, x: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor: ...
+
+
+class Qwen3Backbone:
+    """The backbone above: Qwen3's norms, layers and RoPE (z-lab's, SpecForge's, speculators' and DeepSpec's Qwen3
+    drafters)."""
+
+    def norm(self, cfg: DrafterConfig) -> nn.Module:
+        return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def layer(self, cfg: DrafterConfig, index: int) -> nn.Module:
+        return DecoderLayer(cfg)
+
+    def rotary(self, cfg: DrafterConfig) -> nn.Module:
+        assert cfg.rope is not None, "a Qwen3-style drafter config has its rope fields (drafter_config)"
+        return Qwen3RotaryEmbedding(cfg.rope)  # transformers' rope (default, yarn, llama3, ...)
+
+    def scale_embeddings(self, x: torch.Tensor, cfg: DrafterConfig) -> torch.Tensor:
+        """The config's input_embedding_scale (z-lab's; Gemma targets' DFlash drafters: sqrt(hidden))."""
+        return x if cfg.input_embedding_scale == 1.0 else x * cfg.input_embedding_scale
+
+
+# DrafterConfig.backbone -> the backbone (Gemma 4's: DeepSpec's Gemma4DSparkModel, gemma4_backbone.py)
+BACKBONES: dict[str, Backbone] = {"qwen3": Qwen3Backbone(), "gemma4": Gemma4Backbone()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,53 +194,44 @@ class DecoderLayer(nn.Module):
 
 @dataclass(frozen=True)
 class Drafts:
-    """What a drafter makes of block positions (any leading shape [...]), each given the token before it: DFlash.draft.
+    """What a drafter makes of block positions (any leading shape [...]), each given the token before it:
+    DFlashDrafter.draft.
 
-    Greedy drafts are `tokens`; sampled ones are drawn from `probabilities(q)`. For DFlash2 the head's argmax and its
-    processed distribution are the unary head alone, which the selector chooses from."""
+    Greedy drafts are `tokens`; sampled ones are drawn from `probabilities(q)`. With a generation's head (`head`:
+    DFlash2's selector) the backbone's argmax and its processed distribution are the head's base alone (the unary
+    head), which the head chooses from."""
 
-    argmax: torch.Tensor  # [...] the head's argmax: DFlash's greedy draft
-    logits: torch.Tensor | None = None  # [..., V] float32, DFlashDrafter.logits (None unless asked for, or DFlash2)
-    candidates: torch.Tensor | None = None  # [..., K] DFlash2: the head's top K (most likely first)
-    scores: torch.Tensor | None = None  # [..., K] DFlash2: the selector's score of each candidate
+    argmax: torch.Tensor  # [...] the backbone head's argmax: DFlash's greedy draft
+    logits: torch.Tensor | None = None  # [..., V] float32, DFlashDrafter.logits (None unless asked for, or a head)
+    head: HeadChoice | None = None  # the generation's head's choice (None: the backbone's argmax drafts)
 
     @property
     def tokens(self) -> torch.Tensor:
-        """The greedy drafts [...]: the best-scoring candidate (DFlash2), else the head's argmax."""
-        if self.candidates is None or self.scores is None:
-            return self.argmax
-        return self.candidates.gather(-1, self.scores.argmax(-1, keepdim=True))[..., 0]
+        """The greedy drafts [...]: the head's choice, else the backbone's argmax."""
+        return self.argmax if self.head is None else self.head.tokens
 
     def probabilities(self, q: Sampling) -> torch.Tensor:
-        """The distribution a sampled draft is drawn from, [..., V] float32. DFlash: the logits processed as `q` says
-        (temperature, top-k, top-p, min-p). DFlash2: softmax(score / temperature) over the candidates, 0 elsewhere
-        (its q never takes top-k or top-p: z-lab's reference, SGLang and vLLM draw it so)."""
+        """The distribution a sampled draft is drawn from, [..., V] float32: the logits processed as `q` says
+        (temperature, top-k, top-p, min-p), or the head's own q (DFlash2: softmax(score / T) over its candidates)."""
         assert self.logits is not None, "draft(..., logits=True) for sampled drafts"
-        if self.candidates is None or self.scores is None:
-            return q.probabilities(self.logits)
-        return torch.zeros_like(self.logits).scatter_(-1, self.candidates, self._selector_q(q))
+        return q.probabilities(self.logits) if self.head is None else self.head.probabilities(q, self.logits.shape[-1])
 
     def probability_of(self, tokens: torch.Tensor, q: Sampling) -> torch.Tensor:
-        """probabilities(q) at `tokens` [...], float32 [...] (without building the [..., V] distribution for DFlash2)."""
-        if self.candidates is None or self.scores is None:
-            return self.argmax_probability_of(tokens, q)
-        return (self._selector_q(q) * (self.candidates == tokens[..., None])).sum(-1)
+        """probabilities(q) at `tokens` [...], float32 [...] (without building the [..., V] distribution for a head)."""
+        return self.argmax_probability_of(tokens, q) if self.head is None else self.head.probability_of(tokens, q)
 
     def argmax_probability_of(self, tokens: torch.Tensor, q: Sampling) -> torch.Tensor:
-        """The head's own processed distribution (q over the logits) at `tokens`: DFlash's q; for DFlash2, the unary
-        head drafting alone."""
+        """The backbone's own processed distribution (q over the logits) at `tokens`: DFlash's q; with a head, its
+        base drafting alone."""
         assert self.logits is not None, "draft(..., logits=True) for sampled drafts"
         return q.probability_of(self.logits, tokens)
 
-    def _selector_q(self, q: Sampling) -> torch.Tensor:
-        assert self.scores is not None
-        return (self.scores.float() / q.temperature).softmax(-1)
-
 
 class DFlashDrafter(nn.Module):
-    """The drafter of a DrafterConfig, DFlash or DFlash2 (cfg.has_selector: the layers get their convolutions and the
-    drafter its candidate selector; cfg.draft_vocab_size: its own head over a reduced vocabulary). sliding_semantics
-    says how sliding-window layers treat the block when the config does not fix it (choices.SLIDING_SEMANTICS)."""
+    """The drafter of a DrafterConfig: the backbone, with its generation's modules (cfg.generation: DFlash2's layers
+    get their convolutions and the drafter its candidate selector) and, with cfg.draft_vocab_size, its own head over a
+    reduced vocabulary. sliding_semantics says how sliding-window layers treat the block when the config does not fix
+    it (choices.SLIDING_SEMANTICS)."""
 
     d2t: torch.Tensor  # buffers of a reduced vocabulary (register_buffer below)
     t2d: torch.Tensor
@@ -256,14 +248,19 @@ class DFlashDrafter(nn.Module):
             warnings.warn(f"the drafter config sets is_causal={str(cfg.is_causal).lower()}: every layer is "
                           f"{'causal' if cfg.is_causal else 'bidirectional'} within the block, and "
                           f"sliding_semantics={sliding_semantics!r} has no effect", DrafterConfigWarning, stacklevel=2)
+        self.backbone = BACKBONES[cfg.backbone]  # its norms, layers, RoPE and embedding scale
         n_ids = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n_ids * cfg.hidden_size, cfg.hidden_size, bias=False)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList([DecoderLayer(cfg) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Qwen3RotaryEmbedding(cfg.rope)  # transformers' rope (default, yarn, llama3, ...)
-        self.candidate_selector = CandidateSelector(cfg) if cfg.has_selector else None
+        self.hidden_norm = self.backbone.norm(cfg)
+        self.layers = nn.ModuleList([self.backbone.layer(cfg, i) for i in range(cfg.num_layers)])
+        self.norm = self.backbone.norm(cfg)
+        self.rotary = self.backbone.rotary(cfg)
+        self.generation = cfg.generation
+        for name, module in self.generation.head_modules(cfg).items():  # its head, under the checkpoint's names
+            self.add_module(name, module)
         self.lm_head: nn.Linear | None = None
+        # a DeepSpec save's copies of the target's embed_tokens and lm_head (load_drafter), to check against the target's
+        self.saved_token_head: dict[str, torch.Tensor] = {}
         if cfg.draft_vocab_size is not None:  # its own head over a reduced vocabulary, and the tokens' target ids
             assert cfg.vocab_size is not None  # (the config checks)
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -274,7 +271,8 @@ class DFlashDrafter(nn.Module):
         """Draft N blocks at once.
 
         block_embeds [N, B, H]: target embeddings of [bonus token, MASK x (B-1)] for each block (rows of
-        the embedding matrix; the config's input_embedding_scale is applied here).
+        the embedding matrix; the backbone's scale is applied here: the config's input_embedding_scale, Gemma 4's
+        sqrt(hidden_size)).
         starts [N]: absolute position of each block's first token.
         context: per layer (k, v), each [N, n_kv, S, hd], context keys/values padded to S >= max(starts);
         positions >= a block's start are masked out for it.
@@ -289,9 +287,7 @@ class DFlashDrafter(nn.Module):
         first = {"full_attention": 0}
         if "sliding_attention" in masks:
             first["sliding_attention"] = max(0, int(starts.min()) + 1 - self._sliding_window())
-        x = block_embeds.to(self.dtype)
-        if self.cfg.input_embedding_scale != 1.0:
-            x = x * self.cfg.input_embedding_scale
+        x = self.backbone.scale_embeddings(block_embeds.to(self.dtype), self.cfg)
         for layer, layer_type, (k, v) in zip(self.decoder_layers(), self.cfg.layer_types, context):
             f = first[layer_type]
             x = layer(x, cos, sin, k[:, :, f:], v[:, :, f:], masks[layer_type][..., f:])
@@ -312,6 +308,11 @@ class DFlashDrafter(nn.Module):
         draft's distribution and DFlash2's selector need them. [..., V], float32."""
         return self._processed(self._head(hidden, head_weight))
 
+    def raw_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """The head's raw logits [..., V] in the drafter's dtype (before output_multiplier and the softcap), for
+        draft(..., raw=): one pass over the head for positions a walk then drafts one at a time."""
+        return self._head(hidden, head_weight)
+
     def _head(self, hidden: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """The raw logits over the target's vocabulary [..., V], in the drafter's dtype: through the target's head, or
         through its own over a reduced vocabulary with every other token at -inf (never drafted, probability 0;
@@ -328,23 +329,24 @@ class DFlashDrafter(nn.Module):
         return torch.arange(len(self.d2t), device=self.d2t.device) + self.d2t
 
     def draft(self, hidden: torch.Tensor, head_weight: torch.Tensor, previous: torch.Tensor,
-              logits: bool = False) -> Drafts:
+              logits: bool = False, raw: torch.Tensor | None = None) -> Drafts:
         """Drafts at block positions whose final hidden states are `hidden` [..., H], each given the token before it,
         `previous` [...] (the anchor before position 1, then the draft before it: DFlash2's selector depends on it,
-        DFlash does not). logits: also the processed logits, which sampled drafts need (DFlash2 always has them)."""
-        raw = self._head(hidden, head_weight)  # [..., V] in the drafter's dtype: its argmax is the greedy draft
-        if self.candidate_selector is None:
+        DFlash does not). logits: also the processed logits, which sampled drafts need (DFlash2 always has them).
+        raw: the head's raw logits there [..., V] when one pass over the head already gave them (raw_logits)."""
+        if raw is None:
+            raw = self._head(hidden, head_weight)  # [..., V] in the drafter's dtype: its argmax is the backbone's draft
+        if not self.generation.HEAD:
             return Drafts(raw.argmax(-1), self._processed(raw) if logits else None)
         processed = self._processed(raw)
-        candidates, scores = self.candidate_selector(processed, hidden, previous)
-        return Drafts(raw.argmax(-1), processed, candidates, scores)
+        return Drafts(raw.argmax(-1), processed, self.generation.choose(self, processed, hidden, previous))
 
     def draft_block(self, hidden: torch.Tensor, head_weight: torch.Tensor, anchor: int, q: Sampling | None = None,
                     generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
         """One block's drafts from its hidden states at positions 1 .. P ([P, H]): greedy (q None), or each drawn from
         Drafts.probabilities(q) with `generator`; returns the drafts and, when sampled, q at each position [P, V] (what
-        verification needs). DFlash2 walks from the anchor: each draft is chosen given the one before it."""
-        if self.candidate_selector is None:
+        verification needs). A generation whose drafts depend on the one before (DFlash2) walks from the anchor."""
+        if not self.generation.WALKS_FROM_ANCHOR:
             drafts = self.draft(hidden, head_weight, torch.full(hidden.shape[:-1], anchor), logits=q is not None)
             if q is None:
                 return drafts.tokens.tolist(), None
@@ -353,7 +355,7 @@ class DFlashDrafter(nn.Module):
         previous = torch.tensor([anchor], device=hidden.device)
         tokens, rows = [], []
         for k in range(len(hidden)):
-            drafts = self.draft(hidden[k:k + 1], head_weight, previous)
+            drafts = self.draft(hidden[k:k + 1], head_weight, previous, logits=q is not None)
             if q is None:
                 previous = drafts.tokens
             else:
@@ -440,9 +442,29 @@ class DFlashDrafter(nn.Module):
         cos, sin = self.rotary(self.fc.weight, positions)
         return cos, sin
 
+    def token_head_differences(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> dict[str, str]:
+        """How the save's own copies of the target's embedding and head (a DeepSpec save's, saved_token_head) differ
+        from the target's `embed_weight` and `head_weight` [V, H]: {tensor name: what differs}, {} when each equals the
+        target's rounded to the save's dtype (or the save holds none). The drafter drafts with the target's, as served;
+        a copy that differs says the save was made against another target (or damaged)."""
+        differences = {}
+        for name, target in zip(SAVED_TOKEN_HEAD, (embed_weight, head_weight), strict=True):
+            saved = self.saved_token_head.get(name)
+            if saved is None:
+                continue
+            if saved.shape != target.shape:
+                differences[name] = f"shape {list(saved.shape)} in the save, {list(target.shape)} in the target"
+                continue
+            gap = (saved.float() - target.to(saved.dtype).float().to(saved.device)).abs()
+            rows = int((gap.amax(-1) > 0).sum())
+            if rows:
+                differences[name] = (f"{rows} of {gap.shape[0]} rows differ from the target's, by up to "
+                                     f"{float(gap.max()):.3g}")
+        return differences
+
     def decoder_layers(self) -> list[DecoderLayer]:
-        """self.layers, typed (nn.ModuleList yields plain Modules)."""
-        return [layer for layer in self.layers if isinstance(layer, DecoderLayer)]
+        """self.layers, typed (nn.ModuleList yields plain Modules; the Gemma 4 backbone's are called alike)."""
+        return [cast(DecoderLayer, layer) for layer in self.layers]
 
     def _sliding_window(self) -> int:
         # drafter_config gives every config with a sliding layer a window
@@ -471,57 +493,6 @@ class DFlashDrafter(nn.Module):
 
 
 # ----------------------------------------------------------------------------------------------
-# DFlash2's candidate selector
-
-
-class CandidateSelector(nn.Module):
-    """At each block position, DFlash2 keeps the head's top K tokens and scores each candidate c given the token p
-    before it (the anchor at position 1, then the token drafted at the position before):
-
-        score(c) = logit(c) + < predecessor_codebook[p] * hidden_projection(h), successor_codebook[c] >
-
-    A greedy draft is the best-scoring candidate; a sampled one is drawn from softmax(score / T) over the K.
-    The codebooks [V, rank] are bare tensors, as checkpoints store them (CODEBOOKS)."""
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        assert cfg.selector_top_k and cfg.selector_rank and cfg.vocab_size  # drafter_config requires them for DFlash2
-        self.top_k, self.rank = cfg.selector_top_k, cfg.selector_rank
-        self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank))  # (as nn.Embedding)
-        self.successor_codebook = nn.Parameter(torch.randn(cfg.vocab_size, cfg.selector_rank))
-
-    def forward(self, logits: torch.Tensor, hidden: torch.Tensor,
-                previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [..., V] (the drafter's, float32), hidden [..., H], previous [...] -> the candidates [..., K] (the top
-        K tokens, most likely first: a tied score goes to the likelier one) and their scores [..., K], in the
-        drafter's dtype as z-lab's reference computes them."""
-        unary, candidates = logits.topk(self.top_k, dim=-1)
-        query = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # [..., rank]
-        keys = self.successor_codebook[candidates]  # [..., K, rank]
-        pairing = torch.einsum("nr,nkr->nk", query.reshape(-1, self.rank), keys.reshape(-1, self.top_k, self.rank))
-        return candidates, unary.to(query.dtype) + pairing.view(candidates.shape)
-
-
-# nn.Embedding's names for the codebooks (z-lab's PyTorch module, and a trainer's save of it) -> the published ones
-CODEBOOKS = {f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
-             for name in ("predecessor_codebook", "successor_codebook")}
-
-
-def published_names(state: dict[str, Any]) -> dict[str, Any]:
-    """A drafter's weights (under any common prefix) with the codebooks' `.weight` names renamed to the published bare
-    ones, unless the bare name is there too (which the weight checks then refuse as unexpected)."""
-    renamed = {}
-    for name, tensor in state.items():
-        for embedding_name, bare in CODEBOOKS.items():
-            prefix = name[:-len(embedding_name)]
-            if name.endswith(embedding_name) and prefix + bare not in state:
-                name = prefix + bare
-        renamed[name] = tensor
-    return renamed
-
-
-# ----------------------------------------------------------------------------------------------
 # Loading and saving
 
 
@@ -534,7 +505,7 @@ def load_drafter(
     tokenizer: Any = None,
     config: DrafterConfig | None = None,
 ) -> DFlashDrafter:
-    """Load a DFlash or DFlash2 drafter checkpoint (config.json + model.safetensors or a sharded index).
+    """Load a drafter checkpoint of any generation (config.json + model.safetensors or a sharded index).
 
     Every weight must be present with the shape the config implies, and no unexpected weight may be
     present (a different architecture under the same name must not load silently). mask_token_id
@@ -550,7 +521,8 @@ def load_drafter(
                          "config is given")
     with torch.device("meta"):
         model = DFlashDrafter(config, sliding_semantics)
-    state = _checked_weights(path, config, {name: t.shape for name, t in model.state_dict().items()})
+    saved_token_head: dict[str, torch.Tensor] = {}
+    state = _checked_weights(path, config, {name: t.shape for name, t in model.state_dict().items()}, saved_token_head)
     if model.lm_head is not None:
         _check_token_map_types(path, state)  # before loading casts them to the buffers' long and bool
     model = model.to_empty(device=device)
@@ -559,12 +531,15 @@ def load_drafter(
         _check_token_map(path, model)
     model = model.to(dtype=dtype)
     # rope frequencies stay float32 (a bf16 cast would blur them); they were on the meta device anyway
-    model.rotary = Qwen3RotaryEmbedding(config.rope).to(device)
+    model.rotary = model.backbone.rotary(config).to(device)
+    model.saved_token_head = saved_token_head
     return model.eval()
 
 
-def _checked_weights(path: Path, cfg: DrafterConfig, expected: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights, refused (DrafterError) unless they are exactly `expected`: name -> shape."""
+def _checked_weights(path: Path, cfg: DrafterConfig, expected: dict[str, torch.Size],
+                     saved_token_head: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's weights, refused (DrafterError) unless they are exactly `expected`: name -> shape. A DeepSpec
+    save's copies of the target's embedding and head (SAVED_TOKEN_HEAD, both required) go into `saved_token_head`."""
     try:
         files = weight_files(path)
     except WeightFilesError as e:
@@ -577,7 +552,12 @@ def _checked_weights(path: Path, cfg: DrafterConfig, expected: dict[str, torch.S
                     state[name] = f.get_tensor(name)
         except Exception as e:
             raise DrafterError(f"{file}: cannot read safetensors ({e}); re-fetch the checkpoint") from e
-    state = published_names(state)
+    state = published_names(state, cfg.generation)
+    if cfg.source_format == "deepspec":
+        if absent := [name for name in SAVED_TOKEN_HEAD if name not in state]:
+            raise DrafterError(f"{path}: a DeepSpec save holds the target's embedding and head beside the drafter "
+                               f"(embed_tokens.weight, lm_head.weight); this one lacks {absent}: re-save the drafter")
+        saved_token_head.update((name, state.pop(name)) for name in SAVED_TOKEN_HEAD)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -595,6 +575,26 @@ def _checked_weights(path: Path, cfg: DrafterConfig, expected: dict[str, torch.S
             raise DrafterError(f"{path}: weight {name} has shape {list(state[name].shape)}, expected "
                                f"{list(shape)}{hint}")
     return state
+
+
+# The target's embedding and head as DeepSpec saves them beside its drafters (frozen copies): checked against the
+# target's (DFlashDrafter.saved_token_head), never drafted with (the drafter uses the target's, as served).
+SAVED_TOKEN_HEAD = ("embed_tokens.weight", "lm_head.weight")
+
+
+def published_names(state: dict[str, Any], generation: Generation | None = None) -> dict[str, Any]:
+    """A drafter's weights (under any common prefix) with the tensor names other trainers save renamed to the published
+    ones (Generation.KEY_RENAMES, of `generation`, else of every generation), unless the published name is there too
+    (which the weight checks then refuse as unexpected)."""
+    renames = {k: v for g in ([generation] if generation else generations()) for k, v in g.KEY_RENAMES.items()}
+    renamed = {}
+    for name, tensor in state.items():
+        for other_name, published in renames.items():
+            prefix = name[:-len(other_name)]
+            if name.endswith(other_name) and prefix + published not in state:
+                name = prefix + published
+        renamed[name] = tensor
+    return renamed
 
 
 def _check_token_map_types(path: Path, state: dict[str, torch.Tensor]) -> None:

@@ -3,15 +3,20 @@
 config.json is a Qwen3 config plus DFlash fields (DFlash2 drafters add four: their convolutions' and candidate
 selector's shapes). Every field that changes the drafted tokens is read, or
 refused by name; the fields that do not change them are listed in IGNORED_FIELDS with the reason; any other
-top-level field is warned about (Hugging Face writes many). README.md, "Drafter config fields", is the table
+top-level field is warned about (Hugging Face writes many). docs/drafter-config.md is the table
 of all of them.
 
 Read top to bottom: errors, the field tables, DrafterConfig (what the model in drafter.py is built from),
 read_drafter_config, check_compatible, then the validation steps DrafterConfig.from_dict runs in order.
+
+Why this module is long: it is every field of every format a drafter config comes in (z-lab's, SpecForge's,
+speculators', DeepSpec's), each read, refused or ignored by name with its reason, in one place a reader can check
+against a config.json; the generations and the Gemma 4 backbone read their own fields (Generation.read).
 """
 
 import json
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -19,7 +24,9 @@ from typing import Any, NoReturn
 from transformers import Qwen3Config
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from . import gemma4_backbone
 from .config_values import boolean_problem, integer_problem, layer_ids_problem, number_problem, rope_problem, shown
+from .generations import NOT_READ, Generation, by_architecture, generations
 from .speculators_format import SPECULATORS_FIELDS, SpeculatorsConfigError, is_speculators_config, published_config
 
 
@@ -34,14 +41,6 @@ class DrafterConfigWarning(UserWarning):
 # ----------------------------------------------------------------------------------------------
 # The fields
 
-# The architectures whose forward pass drafter.py implements, and what each is.
-ARCHITECTURES = {
-    "DFlashDraftModel": "DFlash",
-    "DFlash2DraftModel": "DFlash2 (grouped dynamic convolutions and a candidate selector)",
-}
-# Drafters of other architectures (names as their configs give them), refused with what they add; docs/drafter-config.md
-NOT_READ = ("Domino and DSpark drafters (SpecForge: a logits head on top of the drafter) and MiMo-style drafters "
-            "(attention-sink biases, sliding layers of their own shapes)")
 
 # Top-level fields read with their Qwen3Config meaning (plus is_causal, as z-lab's reference reads it).
 READ_FIELDS = (
@@ -53,13 +52,28 @@ READ_FIELDS = (
 
 # DFlash fields: looked up in dflash_config first, then at the top level (z-lab's reference does the
 # same; older exports put block_size, mask_token_id, ... at the top). dflash_config is a small
-# namespace: a key that is neither here nor in EXTRA_MODULE_FIELDS is refused.
-DFLASH_FIELDS = (
+# namespace: a key that is neither here, nor a generation's (dflash_core.generations), nor in EXTRA_MODULE_FIELDS is
+# refused.
+BACKBONE_FIELDS = (
     "target_layer_ids", "mask_token_id", "mask_token", "block_size", "num_target_layers", "causal",
     "use_swa", "swa_window_size", "input_embedding_scale", "output_multiplier", "final_logit_softcapping",
-    "attention_sink_bias", "projector_type", "pure_draft_prefix_len", "shift_label", *(
-        DFLASH2_FIELDS := ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+    "attention_sink_bias", "projector_type", "pure_draft_prefix_len", "shift_label",
 )
+
+
+# DeepSpec's drafter classes (its step_N/ saves: the target's config with its own fields, DFlash's at the top level;
+# the target's embed_tokens and lm_head saved beside, which load_drafter checks against the target's)
+DEEPSPEC_ARCHITECTURES = ("Qwen3DSparkModel", *gemma4_backbone.ARCHITECTURES)
+
+
+def dflash_fields() -> tuple[str, ...]:
+    """Every field dflash_config may hold: the backbone's and every registered generation's."""
+    return (*BACKBONE_FIELDS, *(key for g in generations() for key in g.FIELDS))
+
+
+def architectures() -> dict[str, str]:
+    """The architectures read here (config.json's `architectures`), each with its generation's name."""
+    return {architecture: g.NAME for g in generations() for architecture in g.ARCHITECTURES}
 
 # Fields that switch on math drafter.py does not implement: refused unless they hold their "off"
 # value (null is always off). name -> (off values, what the field does).
@@ -95,10 +109,15 @@ IGNORED_FIELDS = {
                     "the references decide where sequences start and stop"),
     "attention_dropout": "dropout is off at inference",
     "initializer_range": "used only to initialise training",
+    "num_anchors": "used only in training (the blocks drawn per sequence; DeepSpec's saves keep it)",
     "use_cache": "inference plumbing: the context keys/values are computed once per sequence anyway",
     "transformers_version": "provenance",
     "_name_or_path": "provenance",
     **dict.fromkeys(("step", "global_step"), "the training step (dflash-eval history reads it)"),
+    # what transformers writes of every config when it dumps one in full (DeepSpec's Gemma 4 saves)
+    **dict.fromkeys(("id2label", "label2id", "problem_type"), "transformers' classification-head fields: no such head"),
+    **dict.fromkeys(("output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
+                     "chunk_size_feed_forward"), "transformers' output and plumbing switches: the same forward"),
 }
 
 
@@ -126,7 +145,7 @@ class DrafterConfig:
     vocab_size: int | None
     layer_types: tuple[str, ...]  # "full_attention" | "sliding_attention" per layer
     sliding_window: int | None
-    rope: Qwen3Config  # only its rope fields are used, through transformers' rope utilities
+    rope: Qwen3Config | None  # only its rope fields are used, through transformers' rope utilities (None: Gemma 4's)
     raw: dict[str, Any] = field(compare=False, repr=False)  # config.json as read, written back by save_drafter
     # None: sliding layers' causality is the caller's choice (sliding_semantics), full layers see the
     # whole block. True/False: every layer is causal / bidirectional within the block (z-lab's rule).
@@ -136,13 +155,9 @@ class DrafterConfig:
     # drafts (the argmax) ignore them; sampled drafts' distribution q is computed from the transformed logits
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
-    architecture: str = "DFlashDraftModel"  # a key of ARCHITECTURES
-    # DFlash2 only (None for DFlash): the convolutions' taps per channel and channels per group (one dynamic tap per
-    # group), the selector's low rank and how many of the head's top tokens it chooses among
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
-    selector_rank: int | None = None
-    selector_top_k: int | None = None
+    architecture: str = "DFlashDraftModel"  # one its generation is read for (architectures())
+    # what its generation's own fields gave (Generation.read; DFlash2: its convolutions' and selector's shapes)
+    generation_fields: Mapping[str, Any] = field(default_factory=dict)
 
     # A reduced draft vocabulary (vLLM's speculators saves): the drafter's own head over draft_vocab_size tokens and
     # their target ids (the weights' lm_head, d2t and t2d); None: the full vocabulary, through the target's head
@@ -154,16 +169,22 @@ class DrafterConfig:
     # None: the caller's choice (DFlashDrafter's sliding_semantics)
     sliding_semantics: str | None = None
     verifier_architectures: tuple[str, ...] | None = None  # speculators: the target the drafter was trained against
-    source_format: str = "published"  # "published" (z-lab's, SpecForge's exports) or "speculators"
+    source_format: str = "published"  # "published" (z-lab's, SpecForge's exports), "speculators" or "deepspec"
+    # the backbone drafter.py runs, by the architecture: "qwen3" (drafter.py's own) or "gemma4" (DeepSpec's
+    # Gemma4DSparkModel: gemma4_backbone.py), and what it read of its own fields (gemma4_backbone.shape_of)
+    backbone: str = "qwen3"
+    backbone_fields: Mapping[str, Any] = field(default_factory=dict)
 
     def verified_tokens(self, block_size: int) -> int:
         """Tokens a step verifies (its acceptance length at most) for a block of `block_size` slots."""
         return block_size + self.drafts_from_anchor
 
     @property
-    def has_selector(self) -> bool:
-        """A DFlash2 drafter: its draft is the candidate selector's walk, not the head's argmax."""
-        return self.architecture == "DFlash2DraftModel"
+    def generation(self) -> Generation:
+        """The drafter generation this config is (dflash_core.generations)."""
+        generation = by_architecture(self.architecture)
+        assert generation is not None, "from_dict reads only the registered generations' architectures"
+        return generation
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json", mask_token_id: int | None = None,
@@ -178,18 +199,24 @@ class DrafterConfig:
         given = raw
         if speculators:  # read as the published config it describes, with its own fields beside
             try:
-                raw = published_config(raw, source, DFLASH_FIELDS)
+                raw = published_config(raw, source, dflash_fields())
             except SpeculatorsConfigError as e:
                 raise DrafterError(str(e)) from None
         fields = _Fields(raw, source, nested_in_file=not speculators)  # (speculators: DFlash fields at the top)
         _refuse_unimplemented(fields, reduced_vocabulary=speculators)
         architecture = (raw.get("architectures") or ["DFlashDraftModel"])[0]
+        deepspec = not speculators and architecture in DEEPSPEC_ARCHITECTURES  # (speculators' DSpark: its own save)
+        gemma4 = architecture in gemma4_backbone.ARCHITECTURES
 
         hidden = fields.required("hidden_size")
         num_layers = fields.required("num_hidden_layers")
         num_heads = fields.required("num_attention_heads")
         num_kv_heads = fields.integer("num_key_value_heads", raw.get("num_key_value_heads"), 1) or num_heads
         head_dim = fields.integer("head_dim", raw.get("head_dim"), 1) or hidden // num_heads
+        backbone_fields: Mapping[str, Any] = {}
+        if gemma4:  # its heads (global_head_dim, the global key heads), RoPE, MLP widths: gemma4_backbone
+            read = gemma4_backbone.read(fields, hidden, num_layers)
+            head_dim, num_kv_heads, backbone_fields = read["head_dim"], read["num_kv_heads"], read["backbone_fields"]
         if num_heads % num_kv_heads:
             fields.fail(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
         block_size = fields.dflash("block_size")
@@ -213,15 +240,21 @@ class DrafterConfig:
             fields.fail(f"{fields.name('target_layer_ids')} {problem}")
 
         layer_types, window, is_causal = _attention_layout(fields, num_layers)
-        rope = _rope_config(fields, hidden, num_heads, num_kv_heads, head_dim, num_layers)
+        rope = None if gemma4 else _rope_config(fields, hidden, num_heads, num_kv_heads, head_dim, num_layers)
         scale = fields.number("input_embedding_scale", fields.dflash("input_embedding_scale"),
                               meaning="it multiplies the block's token embeddings")
+        if gemma4:
+            if scale is not None:
+                fields.fail(f"{fields.name('input_embedding_scale')}: a {architecture} scales the block's token "
+                            "embeddings by sqrt(hidden_size), as Gemma 4's embedding does; it reads no such field")
+            scale = backbone_fields["gemma4"].embed_scale
         if problem := number_problem(rms_norm_eps := raw.get("rms_norm_eps", 1e-6)):  # (null too: no default)
             fields.fail(f"rms_norm_eps {problem}")
         attention_bias = fields.boolean("attention_bias", raw.get("attention_bias"))
 
-        known = {*READ_FIELDS, *DFLASH_FIELDS, *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS,
-                 *(SPECULATORS_FIELDS if speculators else ())}
+        known = {*READ_FIELDS, *dflash_fields(), *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS,
+                 *(SPECULATORS_FIELDS if speculators else ()),
+                 *((*gemma4_backbone.FIELDS, *gemma4_backbone.IGNORED_FIELDS) if gemma4 else ())}
         unknown = sorted(set(raw) - known)
         if unknown:
             fields.warn(f"fields not read by dflash-eval: {unknown}. If one changes the drafter's math, this "
@@ -238,13 +271,15 @@ class DrafterConfig:
             input_embedding_scale=1.0 if scale is None else float(scale),
             output_multiplier=float(fields.dflash("output_multiplier") or 1.0),
             final_logit_softcapping=float(softcap) if (softcap := fields.dflash("final_logit_softcapping")) else None,
-            architecture=architecture, **_dflash2_shapes(fields, architecture, hidden),
+            architecture=architecture, generation_fields=_generation_fields(fields, architecture, hidden),
             draft_vocab_size=raw["draft_vocab_size"] if raw.get("draft_vocab_size") not in (None, raw.get("vocab_size"))
             else None,
-            drafts_from_anchor=bool(raw.get("drafts_from_anchor", False)),
+            # DeepSpec's saves: every slot drafts (its block 7 is 7 drafts), as speculators' sample_from_anchor says
+            drafts_from_anchor=deepspec or bool(raw.get("drafts_from_anchor", False)),
             sliding_semantics=raw.get("sliding_semantics"),
             verifier_architectures=tuple(raw["verifier_architectures"]) if raw.get("verifier_architectures") else None,
-            source_format="speculators" if speculators else "published",
+            source_format="deepspec" if deepspec else "speculators" if speculators else "published",
+            backbone=gemma4_backbone.NAME if gemma4 else "qwen3", backbone_fields=backbone_fields,
         )
 
 
@@ -371,7 +406,7 @@ class _Fields:
         """`value` (read from field `key`, a DFlash field named where it was found), refused unless null or a finite
         number above 0 (or 0, zero_allowed); `meaning`, what the number does, ends the message."""
         if value is not None and (problem := number_problem(value, zero_allowed)):
-            self.fail(f"{self.name(key) if key in DFLASH_FIELDS else key} {problem}{meaning and f' ({meaning})'}")
+            self.fail(f"{self.name(key) if key in dflash_fields() else key} {problem}{meaning and f' ({meaning})'}")
         return value
 
     def boolean(self, key: str, value: Any) -> bool | None:
@@ -385,26 +420,28 @@ def _refuse_unimplemented(fields: _Fields, reduced_vocabulary: bool = False) -> 
     """Refuse, by name, every field that asks for math drafter.py does not compute. reduced_vocabulary: the format
     stores a reduced vocabulary's head and token map (speculators), which drafter.py computes."""
     raw, nested = fields.raw, fields.nested
-    architectures = raw.get("architectures")
-    if architectures is not None and not (isinstance(architectures, list) and len(architectures) == 1
-                                          and architectures[0] in ARCHITECTURES):
-        if "dflash_config" not in raw and isinstance(architectures, list) and any(
-                isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in architectures):
-            fields.fail(f"architectures {architectures!r}: this looks like a target model, not a DFlash drafter (no "
+    given = raw.get("architectures")
+    if given is not None and not (isinstance(given, list) and len(given) == 1 and isinstance(given[0], str)
+                                  and by_architecture(given[0])):
+        if "dflash_config" not in raw and isinstance(given, list) and any(
+                isinstance(a, str) and a.endswith(("ForCausalLM", "ForConditionalGeneration")) for a in given):
+            fields.fail(f"architectures {given!r}: this looks like a target model, not a DFlash drafter (no "
                         "dflash_config); pass it as the target and the drafter checkpoint as the drafter")
-        fields.fail(f"architectures {architectures!r}: the drafters read here are {' and '.join(ARCHITECTURES)}; "
+        read = [f"{architecture} ({name})" for architecture, name in architectures().items()]
+        fields.fail(f"architectures {given!r}: the drafters read here are {', '.join(read[:-1])} and {read[-1]}; "
                     f"not read: {NOT_READ}. Score this checkpoint with its own reference implementation.")
-    unknown = sorted(set(nested) - set(DFLASH_FIELDS) - set(EXTRA_MODULE_FIELDS))
+    known = dflash_fields()
+    unknown = sorted(set(nested) - set(known) - set(EXTRA_MODULE_FIELDS))
     if unknown:
         fields.fail(f"unknown dflash_config keys {unknown}: each may change the drafter's math, so they are not "
-                    f"ignored. Known keys: {', '.join(DFLASH_FIELDS)}")
+                    f"ignored. Known keys: {', '.join(known)}")
     for key, module in EXTRA_MODULE_FIELDS.items():
         if nested.get(key) is not None or raw.get(key) is not None:
             where = f"dflash_config.{key}" if nested.get(key) is not None else key
             fields.fail(f"{where} configures {module}, which this DFlash implementation does not have: "
                         "score this checkpoint with its own reference implementation")
     for key, (off, effect) in SWITCHES.items():
-        value = fields.dflash(key) if key in DFLASH_FIELDS else raw.get(key)
+        value = fields.dflash(key) if key in known else raw.get(key)
         # off as its own type: to Python true == 1, so `partial_rotary_factor: true` would pass as 1
         if value is not None and not any(value == o and isinstance(value, bool) == isinstance(o, bool) for o in off):
             fields.fail(f"{fields.name(key)} = {shown(value)} switches on {effect}, which this DFlash implementation "
@@ -428,31 +465,19 @@ def _refuse_unimplemented(fields: _Fields, reduced_vocabulary: bool = False) -> 
                   meaning="the cap of tanh(x / cap) * cap on the logits; 0 or null: no cap")
 
 
-def _dflash2_shapes(fields: _Fields, architecture: str, hidden: int) -> dict[str, int | None]:
-    """DFlash2's four shape fields (dflash_config first, as everywhere): each required for a DFlash2DraftModel, as
-    z-lab's reference reads them with no default, and refused for a DFlash one (its weights have no such modules)."""
-    values = {key: fields.dflash(key) for key in DFLASH2_FIELDS}
-    if architecture != "DFlash2DraftModel":
-        given = [fields.name(key) for key, value in values.items() if value is not None]
+def _generation_fields(fields: _Fields, architecture: str, hidden: int) -> Mapping[str, Any]:
+    """What the config's generation reads of its own fields (Generation.read: DFlash2's four shapes, each required);
+    another generation's fields are refused (its weights have no such modules)."""
+    generation = by_architecture(architecture)
+    assert generation is not None, "_refuse_unimplemented refuses the architectures no generation is read for"
+    for other in generations():
+        given = [key for key in other.FIELDS if key not in generation.FIELDS and fields.dflash(key) is not None]
         if given:
-            fields.fail(f"{given[0]} configures DFlash2's {'convolutions' if 'conv' in given[0] else 'candidate selector'}, "
-                        f"but the architecture is {architecture}: a DFlash2 drafter's config says architectures "
-                        "['DFlash2DraftModel']. Fix the config, or drop the DFlash2 fields if the weights are DFlash's.")
-        return dict.fromkeys(DFLASH2_FIELDS)
-    for key, value in values.items():
-        if value is None:
-            fields.fail(f"a DFlash2DraftModel needs dflash_config.{key} (its {', '.join(DFLASH2_FIELDS)} have no "
-                        "default): add the value the drafter was trained with")
-        fields.integer(fields.name(key), value, 1)
-    if hidden % values["conv_group_size"]:
-        fields.fail(f"{fields.name('conv_group_size')} {values['conv_group_size']} does not divide hidden_size {hidden}: "
-                    "the convolutions' dynamic taps are one per group of that many channels")
-    vocab = fields.integer("vocab_size", fields.raw.get("vocab_size"), 1)
-    if vocab is None:
-        fields.fail("a DFlash2DraftModel needs vocab_size: its selector's codebooks have one row per token")
-    if values["selector_top_k"] > vocab:
-        fields.fail(f"{fields.name('selector_top_k')} {values['selector_top_k']} exceeds vocab_size {vocab}")
-    return values
+            fields.fail(f"{fields.name(given[0])} configures {other.NAME}'s {other.FIELDS[given[0]]}, but the "
+                        f"architecture is {architecture}: a {other.NAME} drafter's config says architectures "
+                        f"{list(other.ARCHITECTURES)}. Fix the config, or drop the {other.NAME} fields if the weights "
+                        f"are {generation.NAME}'s.")
+    return generation.read(fields, hidden, fields.integer("vocab_size", fields.raw.get("vocab_size"), 1))
 
 
 def _attention_layout(fields: _Fields, num_layers: int) -> tuple[tuple[str, ...], int | None, bool | None]:

@@ -132,7 +132,7 @@ def histogram(prompts: Sequence[PromptScore], block_size: int) -> list[float]:
             continue
         for length in p.acceptance_lengths:
             counts[length - 1] += 1
-    return [_whole(c) for c in counts]
+    return [whole(c) for c in counts]
 
 
 def position_acceptance(prompts: Sequence[PromptScore], block_size: int) -> list[float | None]:
@@ -161,17 +161,17 @@ def position_counts(prompts: Sequence[PromptScore], block_size: int) -> tuple[li
                 reached[k - 1] += 1
             for k in range(1, length):
                 accepted[k - 1] += 1
-    return [_whole(r) for r in reached], [_whole(a) for a in accepted]
+    return [whole(r) for r in reached], [whole(a) for a in accepted]
 
 
-def _whole(count: float) -> int | float:
+def whole(count: float) -> int | float:
     """A count as an int where it is one (the exact steps), else as it is (an expectation)."""
     return int(count) if float(count).is_integer() else count
 
 
 def clipped_last_steps(prompts: Sequence[PromptScore], block_size: int) -> int | float:
     """How many prompts' last step is clipped (its probability, summed, with sampled drafts)."""
-    return _whole(sum(p.expected.clipped if p.expected is not None else p.last_step_clipped(block_size)
+    return whole(sum(p.expected.clipped if p.expected is not None else p.last_step_clipped(block_size)
                       for p in prompts))
 
 
@@ -308,63 +308,24 @@ def drawn_taus(prompts: Sequence[PromptScore]) -> dict[str, float]:
     return {"tau_macro": tau_macro(drawn), "tau_pooled": tau_pooled(drawn)}
 
 
-# DFlash2: what selector_summary counts per draft position, in order (dflash_core.replay.SELECTOR_COUNTS)
-SELECTOR_COUNTS = ("reached", "selector", "argmax", "in_top_k")
-
-
-def selector_summary(prompts: Sequence[PromptScore], unary: Sequence[PromptScore],
-                     selector_positions: Sequence[Sequence[Sequence[float]]]) -> dict:
-    """A DFlash2 drafter's candidate selector against its unary head alone, on the same references (the trainers'
-    accuracies read the head's argmax, so they cannot say whether the selector helps):
-
-    - unary_tau_macro / _pooled (and intervals): the tau the head's argmax alone would reach as the drafts (with
-      sampled drafts, the head's q); lift: tau_macro minus it, with its paired 95% interval;
-    - per draft position k = 1..B-1, over the positions the selector's decode steps compared (reached): the share
-      where the selector's draft was accepted (selector_accuracy), where the head's argmax would have been
-      (argmax_accuracy; the same context: every earlier draft accepted) and where the reference's token was among
-      the K candidates the selector chooses from (candidate_recall, the selector's ceiling); `overall`, the
-      same over every position. With sampled drafts each count is an expectation.
-
-    prompts and unary: the scored references (one step or more), in the same order; selector_positions: per
-    reference, per position, the counts SELECTOR_COUNTS."""
-    counts = [[sum(p[k][c] for p in selector_positions) for k in range(len(selector_positions[0]))]
-              for c in range(len(SELECTOR_COUNTS))]
-    reached = counts[0]
-
-    def shares(values: list[float]) -> list[float | None]:
-        return [v / r if r else None for v, r in zip(values, reached)]
-
-    selected, alone = tau_macro(prompts), tau_macro(unary)
-    pairs = [(p.prompt or p.id, tau_of(p), tau_of(u)) for p, u in zip(prompts, unary)]
-    return {
-        "unary_tau_macro": alone,
-        "unary_tau_macro_ci95": bootstrap_interval(unary, tau_macro),
-        "unary_tau_pooled": tau_pooled(unary),
-        "lift": selected - alone,
-        "lift_ci95": paired_difference_interval(pairs),
-        "position_counts": {name: [_whole(c) for c in column] for name, column in zip(SELECTOR_COUNTS, counts)},
-        "selector_accuracy": shares(counts[1]),
-        "argmax_accuracy": shares(counts[2]),
-        "candidate_recall": shares(counts[3]),
-        "overall": {name: sum(column) / sum(reached) if sum(reached) else None
-                    for name, column in zip(("selector_accuracy", "argmax_accuracy", "candidate_recall"), counts[1:])},
-    }
-
-
 def benchmark_summary(prompts: Sequence[PromptScore], groups: dict[str, str], draws: int = 1000,
                       seed: int = 0) -> dict:
     """Per benchmark (a prompt's category) and per group of benchmarks (`groups`: benchmark -> group, in the
     order to show them), as z-lab's tables give them: each benchmark's tau_macro with its 95% interval and
     responses, and each group's Average (the plain mean of its benchmarks' taus) with a stratified interval (each
-    benchmark's prompts resampled within it). Benchmarks without a scored prompt are left out."""
+    benchmark's prompts resampled within it). Beside them the same for tau_pooled (`tau_pooled`, `pooled_ci95`:
+    what DeepSpec publishes), from the same resamples. Benchmarks without a scored prompt are left out."""
     scored = {name: [p for p in prompts if p.category == name and p.acceptance_lengths] for name in groups}
     scored = {name: ps for name, ps in scored.items() if ps}
     taus = {name: tau_macro(ps) for name, ps in scored.items()}
+    pooled = {name: tau_pooled(ps) for name, ps in scored.items()}
     # each benchmark's bootstrap draws, once: its own interval, and (the same draw across benchmarks) its groups'
     rng = random.Random(seed)
-    draws_by_name = {name: [tau_macro(_two_levels(by_prompt(ps), rng)) for _ in range(draws)]
-                     for name, ps in scored.items()}
-    benchmarks = {name: {"tau": taus[name], "ci95": _percentiles(draws_by_name[name], 0.95), "responses": len(ps)}
+    resamples = {name: [_two_levels(by_prompt(ps), rng) for _ in range(draws)] for name, ps in scored.items()}
+    draws_by_name = {name: [tau_macro(r) for r in drawn] for name, drawn in resamples.items()}
+    pooled_draws = {name: [tau_pooled(r) for r in drawn] for name, drawn in resamples.items()}
+    benchmarks = {name: {"tau": taus[name], "ci95": _percentiles(draws_by_name[name], 0.95), "responses": len(ps),
+                         "tau_pooled": pooled[name], "pooled_ci95": _percentiles(pooled_draws[name], 0.95)}
                   for name, ps in scored.items()}
     grouped: dict[str, list[str]] = {}
     for name in scored:
@@ -372,8 +333,11 @@ def benchmark_summary(prompts: Sequence[PromptScore], groups: dict[str, str], dr
     averages = {}
     for group, names in grouped.items():
         means = [sum(draws_by_name[n][d] for n in names) / len(names) for d in range(draws)]
+        pooled_means = [sum(pooled_draws[n][d] for n in names) / len(names) for d in range(draws)]
         averages[group] = {"tau": sum(taus[n] for n in names) / len(names),
-                           "ci95": _percentiles(means, 0.95), "benchmarks": names}
+                           "ci95": _percentiles(means, 0.95), "benchmarks": names,
+                           "tau_pooled": sum(pooled[n] for n in names) / len(names),
+                           "pooled_ci95": _percentiles(pooled_means, 0.95)}
     return {"benchmarks": benchmarks, "groups": averages}
 
 
@@ -430,8 +394,8 @@ def summarize(prompts: Sequence[PromptScore], block_size: int, lookahead: bool =
         "n_prompts": len(prompts),
         "samples_per_prompt": max(len(g) for g in by_prompt(prompts)),  # 1: greedy
         "n_scored_prompts": len(scored),
-        "n_steps": _whole(sum(_steps(p) for p in scored)),
-        "n_tokens": _whole(sum(_tokens(p) for p in scored)),
+        "n_steps": whole(sum(_steps(p) for p in scored)),
+        "n_tokens": whole(sum(_tokens(p) for p in scored)),
         "clipped_last_steps": clipped_last_steps(scored, block_size),
         "lookahead": lookahead,
         "clipping_note": LOOKAHEAD_NOTE if lookahead else CLIPPING_NOTE,

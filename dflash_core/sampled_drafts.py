@@ -67,6 +67,7 @@ class ExpectedSteps:
     reached: list[float]  # per draft position 1..B-1: expected steps that compared it (metrics.position_counts)
     accepted: list[float]  # ... and accepted it
     clipped: float  # the probability that the last step is clipped (accepted every token the reference had)
+    verified: float | None = None  # under a verify threshold: E[tokens the steps verified] (drafts verified + 1 each)
 
 
 def step_distribution(a_row: np.ndarray, available: int, block_size: int) -> list[tuple[int, float]]:
@@ -140,20 +141,29 @@ def position_reach(a: np.ndarray, prompt_len: int, end: int, length: int, block_
     starts at s and compares its draft position k (its first k - 1 drafts accepted). As in expected_steps, a last
     step's position k where the reference ends (k = the tokens left) is left out. a as expected_steps takes it."""
     first, B = prompt_len, block_size
-    visits = np.zeros(end - first)  # P(a step starts at s)
-    visits[0] = 1.0 if first + 1 < end else 0.0
     reach = np.zeros_like(a)
+    for s, v in enumerate(start_probabilities(a, prompt_len, end, length, block_size), start=first):
+        if v == 0:
+            continue
+        counted = min(B - 1, length - 2 - s)  # positions k < the tokens left
+        reach[s - first, :counted] = v * np.concatenate([[1.0], np.cumprod(a[s - first, :counted - 1])])[:counted]
+    return reach
+
+
+def start_probabilities(a: np.ndarray, prompt_len: int, end: int, length: int, block_size: int) -> np.ndarray:
+    """v[s - prompt_len]: the probability, over the acceptance coins given the reference, that a decode step starts at
+    s, for s = prompt_len .. end - 2. a as expected_steps takes it."""
+    first = prompt_len
+    visits = np.zeros(end - first)
+    visits[0] = 1.0 if first + 1 < end else 0.0
     for s in range(first, end - 1):
         v = visits[s - first]
         if v == 0:
             continue
-        available = length - 1 - s
-        counted = min(B - 1, available - 1)  # positions k < available
-        reach[s - first, :counted] = v * np.concatenate([[1.0], np.cumprod(a[s - first, :counted - 1])])[:counted]
-        for step, p in step_distribution(a[s - first], available, B):
+        for step, p in step_distribution(a[s - first], length - 1 - s, block_size):
             if s + step + 1 < end:
                 visits[s + step - first] += v * p
-    return reach
+    return visits[:max(end - 1 - first, 0)]
 
 
 def coin_seed(seed: int, reference: str) -> int:

@@ -29,9 +29,11 @@ by rejection sampling (`verify_sampled_block`); the replay's rule for them is in
 
 import hashlib
 from dataclasses import asdict, dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
+
+from .choices import DraftSampleMethod
 
 Verification = Literal["match", "rejection"]
 VERIFICATIONS: tuple[Verification, ...] = ("match", "rejection")
@@ -151,6 +153,26 @@ GREEDY = Sampling()
 
 
 @dataclass(frozen=True)
+class DraftSampling:
+    """Drafts sampled from the drafter's q and accepted by rejection sampling (dflash 0.1.0, vLLM's
+    draft_sample_method="probabilistic"): one value from the input checks (Served.draft_sampling) through the drafts
+    stage to its store entry, which holds it as `to_record()` gives it."""
+
+    q: Sampling  # how the drafter's logits become the distribution each draft is drawn from
+    seed: int = 0  # of the acceptance coins (each reference's follow from it and the reference's id)
+
+    def to_record(self) -> dict[str, Any]:
+        """The one form stored: the drafts key's `sampled_drafts` and the drafts record's `draft_sampling`. The same
+        dict as before this type existed ({"q": q.identity(), "seed": seed}), so stores keep their entries."""
+        return {"q": self.q.identity(), "seed": self.seed}
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> "DraftSampling":
+        """The value a drafts record's `draft_sampling` (to_record's dict) holds."""
+        return cls(Sampling.from_identity(record["q"]), record.get("seed", 0))
+
+
+@dataclass(frozen=True)
 class Served:
     """How the target is served, which is what a tau answers for: the sampling of its completions, how many per
     prompt and their seed, the tokens it verifies per step, and how the drafts are drawn. One value with one label,
@@ -163,8 +185,11 @@ class Served:
     given: bool = False  # the completions were given (a file), not generated: how they were sampled is not known
     # "greedy": the drafter's argmax, accepted iff emitted (SGLang, vLLM's default); "probabilistic": sampled from
     # the drafter's q and accepted by rejection sampling (dflash 0.1.0, vLLM's draft_sample_method="probabilistic")
-    draft_sample_method: Literal["greedy", "probabilistic"] = "greedy"
+    draft_sample_method: DraftSampleMethod = "greedy"
     draft_truncation: bool = True  # probabilistic: q gets the served top-k, top-p and min-p too (else T alone)
+    # a drafter with a confidence head (DSpark) verifies only the drafts before the first it is less confident of
+    # than this, as DeepSpec's evaluator and the serving stacks' DSpark threshold do; 0: every draft
+    confidence_threshold: float = 0.0
 
     @property
     def draft_q(self) -> "Sampling | None":
@@ -174,11 +199,18 @@ class Served:
         return self.sampling if self.draft_truncation else Sampling(self.sampling.temperature)
 
     @property
+    def draft_sampling(self) -> DraftSampling | None:
+        """The sampled drafts this setting asks for, as the drafts stage takes them (None: greedy drafts): q, and
+        the setting's seed for the acceptance coins."""
+        q = self.draft_q
+        return None if q is None else DraftSampling(q, self.seed)
+
+    @property
     def label(self) -> str:
         """"greedy", "T=0.6 top-k 20, 8 samples per prompt, seed 0", "given completions" (", T=0.6 top-k 20" with
         sampled drafts over them), then ", sampled drafts"
         (with " (q at the temperature only)" where that differs) when drafts are sampled, then ", blocks of 4" when a
-        block size is chosen."""
+        block size is chosen, then ", confidence threshold 0.5" when one is set."""
         if self.given:  # (sampling settings only where sampled drafts need them: the target's p and the drafter's q)
             made = "given completions" + ("" if self.sampling.greedy else f", {self.sampling.describe()}")
         elif self.sampling.greedy:
@@ -188,7 +220,8 @@ class Served:
         q = self.draft_q
         if q is not None:
             made += ", sampled drafts" + ("" if q == self.sampling else " (q at the temperature only)")
-        return made + (f", blocks of {self.block_size}" if self.block_size else "")
+        return (made + (f", blocks of {self.block_size}" if self.block_size else "")
+                + (f", confidence threshold {self.confidence_threshold:g}" if self.confidence_threshold else ""))
 
     @property
     def default(self) -> bool:
@@ -206,26 +239,35 @@ class Served:
             tags.append(f"drafts:{self.draft_sample_method}")
         if self.block_size:
             tags.append(f"block-size:{self.block_size}")
+        if self.confidence_threshold:
+            tags.append(f"confidence-threshold:{self.confidence_threshold:g}")
         return tags
 
     def to_json(self) -> dict:
-        """What results hold of it: the label, then every value."""
+        """What results hold of it: the label, then every value (the confidence threshold where one is set: a
+        drafter without a confidence head has none, and results without it read as they did)."""
+        threshold = {"confidence_threshold": self.confidence_threshold} if self.confidence_threshold else {}
         return {"label": self.label, "references": "given" if self.given else "greedy" if self.sampling.greedy
                 else "sampled", **asdict(self.sampling), "samples": self.samples, "seed": self.seed,
                 "block_size": self.block_size, "draft_sample_method": self.draft_sample_method,
-                "draft_truncation": self.draft_truncation}
+                "draft_truncation": self.draft_truncation, **threshold}
 
     @classmethod
     def from_record(cls, sampling: dict | None, given: bool = False, block_size: int | None = None,
-                    draft_sampling: dict | None = None) -> "Served":
+                    draft_sampling: DraftSampling | dict | None = None,
+                    confidence_threshold: float | None = None) -> "Served":
         """The served setting a references record's `sampling` (None: greedy), whether its completions were given,
-        and a drafts record's chosen block size and draft sampling (None: greedy drafts) describe."""
+        and a drafts record's chosen block size, draft sampling (None: greedy drafts; its record's dict, or the
+        value) and confidence threshold (None: none) describe."""
         served = cls(given=given, block_size=block_size) if sampling is None else cls(  # (given: the settings only)
             Sampling.from_identity(sampling), sampling.get("samples", 1), sampling.get("seed", 0), block_size, given)
+        served = replace(served, confidence_threshold=confidence_threshold or 0.0)
         if draft_sampling is None:
             return served
-        return replace(served, draft_sample_method="probabilistic",
-                       draft_truncation=draft_sampling["q"] == served.sampling.identity())
+        drafts = (draft_sampling if isinstance(draft_sampling, DraftSampling)
+                  else DraftSampling.from_record(draft_sampling))
+        # the record holds q, not the setting that made it: q is the served sampling whole unless truncation was off
+        return replace(served, draft_sample_method="probabilistic", draft_truncation=drafts.q == served.sampling)
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -1,10 +1,11 @@
-"""vLLM's `speculators` saves of DFlash and DFlash2 drafters, read as the published (z-lab) config they describe.
+"""vLLM's `speculators` saves of DFlash-family drafters, read as the published (z-lab) config they describe.
 
 speculators (the library vLLM's teams train with; 0.9.0) writes `architectures` like z-lab, but the rest of its
-config.json is its own, told apart by `speculators_model_type` (dflash, dflash2):
+config.json is its own, told apart by `speculators_model_type` (a generation's, dflash_core.generations: dflash,
+dflash2):
 
-- the Qwen3 fields sit under `transformer_layer_config`; `block_size`, `mask_token_id` and DFlash2's four shape
-  fields at the top level;
+- the Qwen3 fields sit under `transformer_layer_config`; `block_size`, `mask_token_id` and a generation's own fields
+  at the top level;
 - `aux_hidden_state_layer_ids` count one higher than z-lab's `target_layer_ids`: aux id L is Hugging Face's
   `hidden_states[L]`, z-lab's id t is `hidden_states[t + 1]` (speculators' own converter writes t + 1, vLLM maps
   back with L - 1). Read as z-lab ids, every feature would be one layer off, silently;
@@ -25,13 +26,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from .config_values import boolean_problem, integer_problem, layer_ids_problem, shown
+from .generations import by_speculators_model_type, generations
 
 
 class SpeculatorsConfigError(ValueError):
     """A speculators config that cannot stand for a drafter read here (drafter_config raises it as a DrafterError)."""
-
-# speculators_model_type -> the architecture it is
-MODEL_TYPES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 # What published_config adds beside the published fields: read by DrafterConfig, never written by z-lab.
 SPECULATORS_FIELDS = ("drafts_from_anchor", "sliding_semantics", "verifier_architectures")
@@ -64,9 +63,11 @@ def published_config(raw: dict[str, Any], source: str, dflash_fields: Iterable[s
         raise SpeculatorsConfigError(f"{source}: {message}")
 
     kind = raw.get("speculators_model_type")
-    if kind not in MODEL_TYPES:
-        fail(f"speculators_model_type {kind!r}: the speculators drafters read here are {', '.join(MODEL_TYPES)} "
-             "(DFlash and DFlash2); score this checkpoint with its own implementation")
+    generation = by_speculators_model_type(kind) if isinstance(kind, str) else None
+    if generation is None:
+        read = {g.SPECULATORS_MODEL_TYPE: g.NAME for g in generations() if g.SPECULATORS_MODEL_TYPE}
+        fail(f"speculators_model_type {kind!r}: the speculators drafters read here are {', '.join(read)} "
+             f"({' and '.join(read.values())}); score this checkpoint with its own implementation")
     layer = raw.get("transformer_layer_config")
     if not isinstance(layer, dict):
         fail("a speculators config needs transformer_layer_config (the drafter's Qwen3 fields), got "
@@ -97,9 +98,8 @@ def published_config(raw: dict[str, Any], source: str, dflash_fields: Iterable[s
     if draft_vocab is not None and vocab is not None and draft_vocab > vocab:
         fail(f"draft_vocab_size must be an integer from 1 to transformer_layer_config.vocab_size ({vocab}), got "
              f"{draft_vocab}")
-    if draft_vocab is not None and draft_vocab != vocab and kind == "dflash2":
-        fail(f"draft_vocab_size {draft_vocab} < vocab_size {vocab}: a DFlash2 selector chooses among the full "
-             "vocabulary's tokens (speculators refuses to train this too)")
+    if problem := generation.speculators_problem(draft_vocab, vocab):
+        fail(problem)
     dflash = {key: raw[key] for key in dflash_fields if raw.get(key) is not None and key != "block_size"}
     dflash["target_layer_ids"] = [i - 1 for i in aux]
     non_causal = raw.get("sliding_window_non_causal")
@@ -109,7 +109,7 @@ def published_config(raw: dict[str, Any], source: str, dflash_fields: Iterable[s
             fail(f"{key} {problem}")
     verifier = _verifier(raw.get("speculators_config"), fail)
     published.update({
-        "architectures": [MODEL_TYPES[kind]],
+        "architectures": [generation.ARCHITECTURES[0]],
         "block_size": raw.get("block_size"),
         "draft_vocab_size": draft_vocab if draft_vocab is not None else vocab,
         "dflash_config": dflash,

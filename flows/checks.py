@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import AutoTokenizer
 
+from dflash_core.blocks import Block, resolve_block
 from dflash_core.checkpoint_files import (
     WeightFilesError,
     has_safetensors,
@@ -42,7 +43,6 @@ from dflash_core.drafter_config import (
     DrafterConfigWarning,
     DrafterError,
     check_compatible,
-    chosen_block_size,
 )
 from dflash_core.prompts import PromptError, read_completions
 from dflash_core.published.benchmarks import BenchmarkError
@@ -75,10 +75,15 @@ class CheckedEvaluation:
     dtype: DtypeChoice  # resolved once: `auto` and the name it resolves to share the store's entries
     attention: str  # the target text model's attention implementation ("sdpa", "eager"), resolved once
     target_name: str  # how series titles and tags call the target: --name, else checkpoint_files.model_name
-    # how the target is served: the sampling, and the block size chosen only when it is not the drafter's own
+    # how the target is served: the sampling, the block size chosen only when it is not the drafter's own, and how
+    # drafts are drawn (Served.draft_sampling: what the drafts stage takes, as it is)
     served: Served
-    baseline_block_size: int | None  # the same request's block size for the baseline drafter, against its own
-    block_sweep: tuple[tuple[int, int | None], ...]  # --block-sizes: (b, its chosen block size) each
+    # the blocks resolved once, which the drafts stage takes as they are: the drafter's at the block size served,
+    # the baseline drafter's at the same request (against its own), and the drafter's at each --block-sizes b
+    block: Block
+    baseline_block: Block | None
+    block_sweep: tuple[tuple[int, Block], ...]
+    threshold_sweep: tuple[float, ...]  # --confidence-thresholds, each drafted and scored beside the run's own
     stages: tuple[str, ...]  # `until` and the stages it depends on, in pipeline order
     drafter: DrafterConfig  # the drafter source's config, validated against the target
     baseline: DrafterConfig | None
@@ -159,7 +164,7 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
                           "features may not be the ones the drafter reads", DrafterConfigWarning, stacklevel=2)
         for field, size in requested:
             try:
-                chosen_block_size(size, config.block_size)
+                resolve_block(size, config)
             except ValueError as e:  # a block size it cannot draft
                 raise InputError(f"{name(field)} for {which} {source}: {e}") from None
     drafter, baseline = configs["drafter"], configs.get("baseline drafter")
@@ -188,15 +193,23 @@ def check_evaluation(parameters: Evaluation | Mapping[str, Any],
         dtype = resolve_dtype(evaluation.compute.dtype, target)
     except ValueError as e:
         raise InputError(str(e)) from None
+    block = resolve_block(serving.block_size, drafter)
+    for field, set_to in (("confidence_threshold", serving.confidence_threshold),
+                          ("confidence_thresholds", scoring.confidence_thresholds)):
+        if set_to and not drafter.generation.schedules_verification(drafter):
+            raise InputError(f"{name(field)}: drafter {evaluation.drafter} ({drafter.architecture}) has no confidence "
+                             "head to schedule its verification; a confidence threshold applies to DSpark drafters "
+                             "saved with one (enable_confidence_head)")
     served = Served(Sampling(serving.temperature, serving.top_k, serving.top_p, serving.min_p), serving.samples,
-                    serving.seed, chosen_block_size(serving.block_size, drafter.block_size),
-                    given=inputs.references is not None, draft_sample_method=serving.draft_sample_method,
-                    draft_truncation=serving.draft_truncation)
+                    serving.seed, block.chosen, given=inputs.references is not None,
+                    draft_sample_method=serving.draft_sample_method, draft_truncation=serving.draft_truncation,
+                    confidence_threshold=serving.confidence_threshold)
     return CheckedEvaluation(
         evaluation=evaluation, store_location=Store(evaluation.output.store).location, dtype=dtype, attention=attention,
-        target_name=inputs.target_name or model_name(target), served=served,
-        baseline_block_size=chosen_block_size(serving.block_size, baseline.block_size) if baseline else None,
-        block_sweep=tuple((b, chosen_block_size(b, drafter.block_size)) for b in sweep),
+        target_name=inputs.target_name or model_name(target), served=served, block=block,
+        baseline_block=resolve_block(serving.block_size, baseline) if baseline else None,
+        block_sweep=tuple((b, resolve_block(b, drafter)) for b in sweep),
+        threshold_sweep=tuple(sorted(set(scoring.confidence_thresholds or ()))),
         stages=stages_to_run(evaluation.until), drafter=drafter, baseline=baseline, n_prompts=n_prompts,
         num_target_layers=target_config.num_layers, step_costs=step_costs)
 

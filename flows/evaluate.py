@@ -35,6 +35,8 @@ from prefect.states import Completed
 from dflash_core.checkpoint_files import step_from_name
 from dflash_eval.reporting.artifacts import add_history, publish
 from dflash_eval.reporting.history import find_group, history, series_key, source_name
+from dflash_eval.reporting.results import Results
+from dflash_eval.reporting.sections import Training
 from dflash_eval.reporting.tracker import track
 from dflash_eval.reporting.training_side import side_of
 from dflash_eval.storage import Store
@@ -72,7 +74,8 @@ def evaluate(checked: CheckedEvaluation):
              "settle_seconds": checkpoints.settle_seconds}
     replays = {"sliding_semantics": scoring.sliding_semantics, "all_positions": scoring.all_positions,
                "replay_group": compute.replay_group, "dask_address": compute.dask_address,
-               "draft_sampling": checked.served.draft_q, "seed": checked.served.seed, **on_device}
+               "draft_sampling": checked.served.draft_sampling, **on_device}
+    threshold = {"confidence_threshold": checked.served.confidence_threshold}
     checkpoint = baseline = refs = features = drafts = scores = None
     if checked.runs("fetch"):
         checkpoint = runs.add("fetch", fetch_checkpoint(
@@ -97,18 +100,26 @@ def evaluate(checked: CheckedEvaluation):
             attention=checked.attention, refresh="features" in refresh, return_state=True, **on_device))
     if checked.runs("drafts"):
         drafts = runs.add("drafts", draft(checkpoint, features, refs, target, store, refresh="drafts" in refresh,
-                                          block_size=checked.served.block_size, return_state=True, **replays))
+                                          block=checked.block, return_state=True, **replays, **threshold))
     if checked.runs("scores"):
         scores = runs.add("scores", score(drafts, refs, store, refresh="scores" in refresh, return_state=True))
-    for b, chosen in checked.block_sweep if checked.runs("scores") else ():
+    for b, block in checked.block_sweep if checked.runs("scores") else ():
         swept = runs.add(f"drafts b{b}", draft(checkpoint, features, refs, target, store, refresh="drafts" in refresh,
-                                               block_size=chosen, return_state=True, **replays))
+                                               block=block, return_state=True, **replays, **threshold))
         runs.add(f"scores b{b}", score(swept, refs, store, refresh="scores" in refresh, return_state=True))
+    for t in checked.threshold_sweep if checked.runs("scores") else ():
+        swept = runs.add(f"drafts t{t:g}", draft(checkpoint, features, refs, target, store, block=checked.block,
+                                                 refresh="drafts" in refresh, confidence_threshold=t,
+                                                 return_state=True, **replays))
+        runs.add(f"scores t{t:g}", score(swept, refs, store, refresh="scores" in refresh, return_state=True))
     if baseline is not None:
+        # (a baseline without a confidence head is served verifying every draft)
+        baseline_threshold = threshold if checked.baseline and checked.baseline.generation.schedules_verification(
+            checked.baseline) else {}
         baseline_drafts = runs.add("baseline drafts", draft(baseline, features, refs, target, store,
                                                             refresh="drafts" in refresh,
-                                                            block_size=checked.baseline_block_size,
-                                                            return_state=True, **replays))
+                                                            block=checked.baseline_block,
+                                                            return_state=True, **replays, **baseline_threshold))
         runs.add("baseline scores", score(baseline_drafts, refs, store, refresh="scores" in refresh,
                                           return_state=True))
     if checked.runs("diagnostics"):
@@ -120,16 +131,18 @@ def evaluate(checked: CheckedEvaluation):
     opened = Store(store)
     groups = history(opened)
     found_row = find_group(groups, results["keys"]["scores"])
-    results["series"] = ({"key": found_row[0].series, "title": found_row[0].title} if found_row is not None else
-                         {"key": series_key(opened, results["keys"]["features"], results["sliding_semantics"],
-                                            checked.served.block_size, results.get("draft_sampling"),
-                                            checked.target_name, inputs.prompt_set),
-                          "title": None})
+    results.series = ({"key": found_row[0].series, "title": found_row[0].title} if found_row is not None else
+                      {"key": series_key(opened, results["keys"]["features"], results["sliding_semantics"],
+                                         checked.served.block_size, results.get("draft_sampling"),
+                                         checked.target_name, inputs.prompt_set,
+                                         confidence_threshold=checked.served.confidence_threshold),
+                       "title": None})
     sides: dict[int, list] = {}
     if found_row is not None and found_row[1].step is not None:
-        results["training"], sides = track(groups, found_row[1].source, training.training_log, training.tensorboard,
-                                           training.divergence_window, training.mlflow)
-        for problem in results["training"]["problems"]:
+        trained, sides = track(groups, found_row[1].source, training.training_log, training.tensorboard,
+                               training.divergence_window, training.mlflow)
+        results.add(Training(trained))
+        for problem in trained["problems"]:
             get_run_logger().warning(problem)
     # what the series' history says of this checkpoint: the paired comparisons, what the alarm checked
     side = side_of(sides.get(groups.index(found_row[0]), ()), found_row[1]) if found_row is not None else None
@@ -153,7 +166,7 @@ def feature_layers(checked: CheckedEvaluation, checkpoint, baseline) -> tuple[in
         wanted |= set(layers_needed(own, checked.num_target_layers))
     if baseline is not None:
         wanted |= set(baseline.config.target_layer_ids)
-    if checked.served.draft_q is not None:  # sampled drafts' acceptance needs the target's probabilities
+    if checked.served.draft_sampling is not None:  # sampled drafts' acceptance needs the target's probabilities
         wanted.add(TARGET_PROBS)
     return tuple(sorted(wanted))
 
@@ -190,7 +203,7 @@ def _docstring(first_line: str, leave_out: tuple[str, ...] = ()) -> str:
 
 
 def evaluation_flow(checked: CheckedEvaluation | None = None, until: str | None = None,
-                    refresh: str | None = None) -> Flow[..., dict]:
+                    refresh: str | None = None) -> Flow[..., Results]:
     """The evaluate-checkpoint flow. `checked`: the evaluation the command line checked before Prefect started,
     which a run of this flow takes instead of checking its parameters again (they must be those parameters).
     `until`, `refresh`: the flow of deployment `rerun-<refresh>`, which recomputes that stage of one checkpoint
@@ -198,7 +211,7 @@ def evaluation_flow(checked: CheckedEvaluation | None = None, until: str | None 
     the deployment's form cannot turn a stage rerun into something else."""
     fixed = {} if refresh is None else {"until": until, "refresh": [refresh]}
 
-    def evaluate_checkpoint(**parameters) -> dict:
+    def evaluate_checkpoint(**parameters) -> Results:
         return evaluate(checked or check_evaluation({**parameters, **fixed}))
 
     name = "evaluate_checkpoint" if refresh is None else f"rerun_{refresh}"

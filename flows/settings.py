@@ -3,7 +3,7 @@
 Each setting is a field of one group below: its type, default, bounds and help, and, by its group, the panel it
 shows in. Everything else is made from this one declaration:
 
-- the command line's options (flows/cli/options.py): `--max-new-tokens` in the "Inputs" panel of `run --help`;
+- the command line's options (cli/options.py): `--max-new-tokens` in the "Inputs" panel of `run --help`;
   a field's `Cli` says where the option differs from the field (its flag, an environment variable);
 - `--config FILE`'s keys, which are the options' names;
 - the evaluate-checkpoint flow's parameters (flows/evaluate.py): `drafter`, then one parameter per group, which
@@ -23,7 +23,7 @@ from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dflash_core.choices import DEFAULT_REPLAY_GROUP
+from dflash_core.choices import DEFAULT_REPLAY_GROUP, DraftSampleMethod
 from dflash_core.published.benchmarks import BenchmarkError, benchmark_names, read_data_option
 from dflash_core.published.protocols import DEFAULT_PROTOCOL, PROTOCOLS, ProtocolName
 
@@ -93,7 +93,8 @@ class Inputs(Group):
     prompts: Annotated[str | None, Cli(path=True)] = Field(None, description=(
         "A suite (math, code, chat, multiturn), a JSONL file (id + one of text/messages/turns/input_ids, optional "
         "category), or published benchmarks, comma-separated: gsm8k, math500, aime24, aime25, humaneval, mbpp, "
-        "livecodebench, swe-bench, lbpp, mt-bench, alpaca, or zlab-paper (the paper's ten)."))
+        "livecodebench, swe-bench, lbpp, mt-bench, alpaca, arena-hard-v2, or zlab-paper (the paper's ten), deepspec "
+        "(DeepSpec's tasks)."))
     references: Annotated[str | None, Cli(path=True)] = Field(None, description=(
         "Completions you already have (a JSONL file: id, input_ids and completion_ids, or a text/messages prompt and "
         "a completion text), e.g. a server's logged outputs: stored as the references instead of generating them "
@@ -105,7 +106,8 @@ class Inputs(Group):
     thinking: bool = Field(False, description="enable_thinking in the chat template (a suite or a prompt file).")
     protocol: ProtocolName | None = Field(None, description=(
         "Published benchmarks: the version of z-lab's protocol that picks, templates, tokenizes and stops them: "
-        "zlab-2026-01 (the paper's tables; the default), zlab-2026-04 or dflash-0.1 (PyPI dflash 0.1.0)."))
+        "zlab-2026-01 (the paper's tables; the default), zlab-2026-04 or dflash-0.1 (PyPI dflash 0.1.0); or "
+        "deepspec (DeepSpec's evaluator, the DSpark paper's: its own files, T = 1.0, pooled tau)."))
     data: Annotated[str | None, Cli(metavar="[NAME=]PATH,...")] = Field(None, description=(
         "Published benchmarks: local copies in the dataset's own layout (its downloaded folder, or its parquet/jsonl "
         "files), as NAME=PATH pairs (one PATH for one benchmark); the others come from a package that ships them, "
@@ -191,7 +193,7 @@ class Serving(Group):
     block_size: int | None = Field(None, ge=2, description=(
         "Verify blocks of this many tokens (2 .. the drafter's block size), as SGLang's "
         "--speculative-num-draft-tokens and vLLM's num_speculative_tokens + 1 serve it (default: the drafter's)."))
-    draft_sample_method: Literal["greedy", "probabilistic"] = Field("greedy", description=(
+    draft_sample_method: DraftSampleMethod = Field("greedy", description=(
         "How drafts are drawn, as vLLM names it: greedy (the drafter's argmax, accepted where the target emits it: "
         "SGLang, vLLM's default, z-lab's paper-era benchmark) or probabilistic (sampled from the drafter's "
         "distribution q and accepted by rejection sampling: z-lab's dflash 0.1.0 benchmark, vLLM's "
@@ -199,6 +201,10 @@ class Serving(Group):
     draft_truncation: bool = Field(True, description=(
         "Probabilistic drafts: q gets the served top-k, top-p and min-p after the temperature, as the target's p "
         "does (dflash 0.1.0); off, the temperature only (vLLM's probabilistic drafts)."))
+    confidence_threshold: float = Field(0.0, ge=0, le=1, allow_inf_nan=False, description=(
+        "A drafter with a confidence head (DSpark) verifies only the drafts before the first it is less confident "
+        "of than this, as DeepSpec's evaluator and the serving stacks' DSpark threshold do "
+        "(0: every draft)."))
 
     @field_validator("temperature")
     @classmethod
@@ -240,6 +246,10 @@ class Scoring(Group):
     all_positions: Annotated[bool, Cli(negatable=False)] = Field(False, description=(
         "Also score a block drafted at every position (all_positions_tau: every position weighed once, as training "
         "losses do)."))
+    confidence_thresholds: Annotated[list[float] | None, Cli(metavar="T1,T2,...")] = Field(None, description=(
+        "A drafter with a confidence head (DSpark): also draft and score at each of these confidence thresholds "
+        "(e.g. 0,0.3,0.5,0.7): tau and the tokens emitted per token verified (DeepSpec's verify_rate) per "
+        "threshold."))
 
     @field_validator("block_sizes", mode="before")
     @classmethod
@@ -257,6 +267,24 @@ class Scoring(Group):
     def _at_least_two(cls, value: list[int] | None) -> list[int] | None:
         if value is not None and any(b < 2 for b in value):
             raise ValueError(f"block sizes verify at least 2 tokens, got {','.join(map(str, value))}")
+        return value
+
+    @field_validator("confidence_thresholds", mode="before")
+    @classmethod
+    def _thresholds_from_text(cls, value: Any) -> Any:
+        """The command line's and a TOML file's "0,0.3,0.5"."""
+        if isinstance(value, str):
+            try:
+                return [float(part) for part in value.split(",") if part.strip()]
+            except ValueError:
+                raise ValueError("give numbers from 0 to 1 separated by commas, e.g. 0,0.3,0.5,0.7") from None
+        return value
+
+    @field_validator("confidence_thresholds")
+    @classmethod
+    def _thresholds_in_range(cls, value: list[float] | None) -> list[float] | None:
+        if value is not None and not all(0 <= t <= 1 for t in value):  # (NaN fails too)
+            raise ValueError(f"confidence thresholds lie in [0, 1], got {','.join(f'{t:g}' for t in value)}")
         return value
 
 
@@ -348,8 +376,8 @@ class Settings(BaseModel):
 
     @model_validator(mode="after")
     def _protocol_defaults(self) -> Self:
-        """Published benchmarks: the protocol named (default zlab-2026-01), its max new tokens and, at a
-        temperature, its way of drawing drafts, unless given."""
+        """Published benchmarks: the protocol named (default zlab-2026-01), its max new tokens, its temperature
+        (DeepSpec's 1.0) and, at a temperature, its way of drawing drafts, unless given."""
         inputs, serving = self.inputs, self.serving
         if inputs.benchmarks is None:
             return self
@@ -358,6 +386,9 @@ class Settings(BaseModel):
         if "max_new_tokens" not in inputs.model_fields_set:
             updates["max_new_tokens"] = protocol.max_new_tokens
         object.__setattr__(self, "inputs", inputs.model_copy(update=updates))
+        if protocol.temperature is not None and "temperature" not in serving.model_fields_set:
+            serving = serving.model_copy(update={"temperature": protocol.temperature})
+            object.__setattr__(self, "serving", serving)
         if (protocol.sampled_drafts and serving.temperature > 0
                 and "draft_sample_method" not in serving.model_fields_set):
             object.__setattr__(self, "serving", serving.model_copy(update={"draft_sample_method": "probabilistic"}))

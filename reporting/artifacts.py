@@ -27,12 +27,12 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.artifacts import create_link_artifact, create_markdown_artifact, create_table_artifact
 
+from dflash_core.sections import AROUND
 from dflash_eval.services.report_server import report_url
 from dflash_eval.storage import Store
 from dflash_eval.storage.records import write_bytes_atomic
 from dflash_eval.storage.schema import Stage
 
-from .benchmarks import benchmark_lines, benchmark_markdown
 from .history import (
     BASELINE,
     BEST,
@@ -43,15 +43,17 @@ from .history import (
     comparisons,
     find_group,
     history,
+    shown_beside_tau,
 )
-from .selector import count, selector_lines, selector_positions, share
+from .results import Results
+from .sections import Comparisons, Training
 from .training_side import TrainingSide, logged_column, side_of
 
 # the stages a summary offers to rerun (fetch and references are shared by every checkpoint of a series)
 RERUN_STAGES = (Stage.FEATURES, Stage.DRAFTS, Stage.SCORES, Stage.DIAGNOSTICS)
 
 
-def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] | None = None,
+def publish(results: Results, store: Store, report_dir: Path, groups: list[Group] | None = None,
             training: dict[int, list[TrainingSide]] | None = None,
             step_costs: dict[int, float] | None = None) -> dict[str, str]:
     """Rewrite the report (step_costs: --step-cost, for its projected speedups) and publish the scores, history,
@@ -59,15 +61,16 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
     training: {group index: each training run with a log beside it} (reporting.tracker.track), when the caller read
     them."""
     logger = get_run_logger()
-    keys = {name: f"{results['series']['key']}-{name}" for name in ("scores", "history", "summary", "report")}
+    assert results.series is not None and results.scores is not None, "published once scored"
+    keys = {name: f"{results.series['key']}-{name}" for name in ("scores", "history", "summary", "report")}
     groups = history(store) if groups is None else groups
-    found = find_group(groups, results["keys"]["scores"])
+    found = find_group(groups, results.stage_keys["scores"])
     side = side_of((training or {}).get(groups.index(found[0]), ()), found[1]) if found is not None else None
     create_table_artifact(key=keys["scores"], table=score_table(results),
-                          description=f"Scores of {results['drafter']['source']}")
+                          description=f"Scores of {results.drafter['source']}")
     if found is not None:
         group = found[0]
-        described = f"{group.title}: tau by step {sparkline(group)}; this run {results['tau_macro']:.3f}"
+        described = f"{group.title}: tau by step {sparkline(group)}; this run {results.scores.tau_macro:.3f}"
         if group.best:
             described += f", best {group.best.label} {group.best.tau_macro:.3f}"
         create_table_artifact(key=keys["history"], table=history_table(group, side), description=described)
@@ -96,20 +99,20 @@ def publish(results: dict, store: Store, report_dir: Path, groups: list[Group] |
     return keys
 
 
-def add_history(results: dict, found: tuple[Group, HistoryRow] | None, side: TrainingSide | None) -> None:
+def add_history(results: Results, found: tuple[Group, HistoryRow] | None, side: TrainingSide | None) -> None:
     """Add to a run's results (what the flow returns and `run --out` writes) what the series' history says of
     its checkpoint: `comparisons` (reporting.history.comparisons: against the previous step, the best other
     checkpoint and the baselines, --baseline's first; [] when its row is gone) and, beside a training log, in
     `training`: the trainer's own number at this step (`trainer_logged`: {"tag", "value"}), what each check of
     the alarm found (`checks`) and, where no flag was raised, the line that says what was checked (`no_flag`)."""
     baseline = (results.get("baseline") or {}).get("key")
-    results["comparisons"] = [c.as_dict() for c in comparisons(*found, baseline)] if found is not None else []
-    training = results.get("training")
-    if training is not None and side is not None and found is not None:
+    results.add(Comparisons([c.as_dict() for c in comparisons(*found, baseline)] if found is not None else []))
+    training = results.section(Training)
+    if isinstance(training, Training) and side is not None and found is not None:
         logged = side.logged(found[1])
-        training["trainer_logged"] = {"tag": logged[0], "value": logged[1]} if logged else None
-        training["checks"] = [c.as_dict() for c in side.checks]
-        training["no_flag"] = None if training["flags"] else side.no_flag_line()
+        training.training["trainer_logged"] = {"tag": logged[0], "value": logged[1]} if logged else None
+        training.training["checks"] = [c.as_dict() for c in side.checks]
+        training.training["no_flag"] = None if training.training["flags"] else side.no_flag_line()
 
 
 def kept_copy(folder: Path, name: str) -> str:
@@ -160,14 +163,14 @@ def tau_chart(group: Group, this: HistoryRow | None) -> list[str]:
 
 
 def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
-    """One row per scored checkpoint of a series, in history order (by step), then its baselines; where some row is
-    a DFlash2 drafter's, its unary head's tau and the selector's lift; with its training run's side, the trainer's
-    own number at each step as logged (a column named by its tag), what the trainer's numbers imply and the
-    alarm's flags."""
+    """One row per scored checkpoint of a series, in history order (by step), then its baselines; the values its
+    sections set beside tau (a DFlash2 drafter's: its unary head's tau and the selector's lift); with its training
+    run's side, the trainer's own number at each step as logged (a column named by its tag), what the trainer's
+    numbers imply and the alarm's flags."""
     rows = []
     mine = {id(r) for r in side.rows} if side else set()
     top = max(r.tau_macro for r in group.rows)
-    selector = any(r.unary_tau_macro is not None for r in group.rows)  # DFlash2 checkpoints among them
+    beside = [column for _, column in shown_beside_tau(group.rows)]
     logged_header, logged_cells = logged_column([side] if side else [], group.rows)  # the trainer's own number
     for index, row in enumerate(group.rows):
         ci = row.tau_macro_ci95
@@ -175,9 +178,7 @@ def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
                  "tau macro": f"{row.tau_macro:.3f}", "tau (bar from 1)": bar(row.tau_macro, top),
                  "95% CI": f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-",
                  "tau pooled": f"{row.tau_pooled:.3f}"}
-        if selector:
-            table["unary head tau"] = "-" if row.unary_tau_macro is None else f"{row.unary_tau_macro:.3f}"
-            table["selector lift"] = "-" if row.selector_lift is None else f"{row.selector_lift:+.3f}"
+        table.update({column.heading: column.cell(row.values.get(column.name)) for column in beside})
         table["verdict"] = row.mark
         if side is not None:
             implied = side.implied(row) if id(row) in mine else None
@@ -188,10 +189,10 @@ def history_table(group: Group, side: TrainingSide | None = None) -> list[dict]:
     return rows
 
 
-def rerun_commands(results: dict) -> list[str]:
+def rerun_commands(results: Results) -> list[str]:
     """The commands that recompute one stage of this checkpoint through the served deployments, each broken
     after the deployment's name so that it fits a card."""
-    drafter = results["drafter"]["source"]
+    drafter = results.drafter["source"]
     return [f"prefect deployment run 'evaluate-checkpoint/rerun-{stage}' \\\n    -p drafter={shlex.quote(drafter)}"
             for stage in RERUN_STAGES]
 
@@ -213,110 +214,64 @@ def rerun_deployments_exist() -> bool:
     return True
 
 
-def score_table(results: dict) -> list[dict]:
-    """One row per metric of a results record (on published benchmarks, each benchmark's tau and interval, and
-    each group's Average, in place of the taus by prompt category)."""
-    low, high = results["tau_macro_ci95"]
-    rows = [
-        ("tau macro", f"{results['tau_macro']:.3f}"),
+def score_table(results: Results) -> list[dict]:
+    """One row per metric of a results record: tau, its interval and what it was scored on, per draft position;
+    then each section's about the checkpoint's own numbers (on published benchmarks, each benchmark's tau and
+    interval, and each group's Average, in place of the taus by prompt category), the taus by category and the
+    speedups, and each section's about the evaluation around it (the baseline, the block sweep)."""
+    scores, context = results.scores, results.context()
+    assert scores is not None, "a scores table is made once scored"
+    low, high = scores.tau_macro_ci95
+    rows: list[tuple[str, object]] = [
+        ("tau macro", f"{scores.tau_macro:.3f}"),
         ("tau macro 95% CI", f"{low:.3f} - {high:.3f}"),
-        ("tau pooled", f"{results['tau_pooled']:.3f}"),
-        ("block size", results["block_size"]),
-        ("prompts scored", f"{results['n_scored_prompts']} of {results['n_prompts']}"),
-        ("decode steps", results["n_steps"]),
-        ("clipped last steps", results["clipped_last_steps"]),
-        ("sliding semantics", results["sliding_semantics"]),
-        ("served", results["served"]["label"]),
+        ("tau pooled", f"{scores.tau_pooled:.3f}"),
+        ("block size", scores.block_size),
+        ("prompts scored", f"{scores.n_scored_prompts} of {scores.n_prompts}"),
+        ("decode steps", scores.n_steps),
+        ("clipped last steps", scores.clipped_last_steps),
+        ("sliding semantics", scores.sliding_semantics),
+        ("served", results.served["label"]),
     ]
-    intervals = results.get("position_acceptance_ci95") or [None] * len(results["position_acceptance"])
-    counts = results.get("position_counts") or {}
-    for k, (p, ci) in enumerate(zip(results["position_acceptance"], intervals), start=1):
+    intervals = scores.position_acceptance_ci95 or [None] * len(scores.position_acceptance)
+    counts = scores.position_counts or {}
+    for k, (p, ci) in enumerate(zip(scores.position_acceptance, intervals), start=1):
         value = "-" if p is None else f"{p:.3f}"
         if p is not None and ci is not None:
             value += f" (95% CI {ci[0]:.2f}-{ci[1]:.2f}"
             value += f"; {counts['accepted'][k - 1]} of {counts['reached'][k - 1]} blocks)" if counts else ")"
         rows.append((f"P(position {k} accepted | earlier accepted)", value))
-    if selector := results.get("selector"):
-        unary, lift = selector["unary_tau_macro_ci95"], selector["lift_ci95"]
-        reached = "expected reached" if results["served"]["draft_sample_method"] != "greedy" else "reached"
-        rows += [("unary head alone: tau macro", f"{selector['unary_tau_macro']:.3f}"),
-                 ("unary head alone: tau macro 95% CI", f"{unary[0]:.3f} - {unary[1]:.3f}"),
-                 ("unary head alone: tau pooled", f"{selector['unary_tau_pooled']:.3f}"),
-                 ("selector lift (tau macro minus the unary head's)", f"{selector['lift']:+.3f}"),
-                 ("selector lift paired 95% CI", f"{lift[0]:+.3f} to {lift[1]:+.3f}")]
-        rows += [(f"position {p.k}: selector's draft accepted / head's argmax would have been / reference among "
-                  "the K candidates",
-                  f"{share(p.selector_accuracy)} / {share(p.argmax_accuracy)} / {share(p.candidate_recall)} "
-                  f"({count(p.reached)} {reached})") for p in selector_positions(selector)]
-    if "benchmarks" in results:  # published benchmarks: their taus and intervals in place of the categories'
-        rows += [(f"tau on {line.group} (average)" if line.average else f"tau on {line.benchmark}",
-                  f"{line.tau:.3f} (95% CI {line.ci95[0]:.2f}-{line.ci95[1]:.2f})")
-                 for line in benchmark_lines(results["benchmarks"])]
-    else:
-        rows += [(f"tau on {category}", f"{tau:.3f}") for category, tau in results["tau_by_category"].items()]
+    sections = results.sections()
+    rows += [row for s in sections if s.ORDER < AROUND for row in s.metrics(context)]
+    if not any(s.SHOWS_CATEGORIES for s in sections):
+        rows += [(f"tau on {category}", f"{tau:.3f}") for category, tau in scores.tau_by_category.items()]
     rows += [(f"speedup upper bound, drafter costs {c} target forwards (verifying a block as cheap as a decode step)",
-              f"{x:.2f}x") for c, x in results["projected_speedup"].items()]
-    if "baseline" in results:
-        rows.append((f"baseline {results['baseline']['source']} tau macro", f"{results['baseline']['tau_macro']:.3f}"))
-    for row in results.get("block_sweep", ()):
-        rows.append((f"tau macro at block size {row['block_size']}", f"{row['tau_macro']:.3f}"))
-        if "projected_speedup" in row:
-            rows.append((f"projected speedup at block size {row['block_size']} (your step costs)",
-                         f"{row['projected_speedup']:.2f}x"))
+              f"{x:.2f}x") for c, x in scores.projected_speedup.items()]
+    rows += [row for s in sections if s.ORDER >= AROUND for row in s.metrics(context)]
     return [{"metric": name, "value": str(value)} for name, value in rows]
 
 
-def summary_markdown(results: dict, found, report: Path | None, served: str | None = None,
+def summary_markdown(results: Results, found, report: Path | None, served: str | None = None,
                      plot: str | None = None, reruns: bool = False) -> str:
-    """This checkpoint against the previous step, the best other checkpoint and the baselines, and tau by
-    checkpoint as text. A checkpoint without a training step has no previous step and is never called a
-    regression (reporting.history). served: the report's HTTP address; plot: the path under it of this series'
-    tau-by-step plot (a copy named by its content), which the summary then shows; reruns: the rerun deployments
-    exist, so the summary gives the commands that rerun a stage."""
-    drafter = results["drafter"]
-    low, high = results["tau_macro_ci95"]
+    """This checkpoint's tau and what its sections say of its own numbers (published benchmarks, a DFlash2
+    drafter's selector); against the previous step, the best other checkpoint and the baselines, and tau by
+    checkpoint as text; then what its sections say of the evaluation around it (the training run). A checkpoint
+    without a training step has no previous step and is never called a regression (reporting.history). served: the
+    report's HTTP address; plot: the path under it of this series' tau-by-step plot (a copy named by its content),
+    which the summary then shows; reruns: the rerun deployments exist, so the summary gives the commands that rerun
+    a stage."""
+    drafter, scores, context = results.drafter, results.scores, results.context()
+    assert scores is not None, "a summary is made once scored"
+    low, high = scores.tau_macro_ci95
     lines = [f"## {drafter['source']}" + (f" (step {drafter['step']})" if drafter["step"] is not None else ""),
-             "", f"**tau {results['tau_macro']:.3f}** (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f}, "
-             f"block {results['block_size']}, {results['n_scored_prompts']} prompts"
-             + ("" if results["served"]["label"] == "greedy" else f", {results['served']['label']}"), ""]
-    if "benchmarks" in results:  # published benchmarks: z-lab's layout (reporting.benchmarks)
-        lines += ["tau by benchmark (* a gap beyond our 95% CI):", "", *benchmark_markdown(results["benchmarks"]), ""]
-    if "selector" in results:
-        lines += selector_markdown(results["selector"], results["served"]["draft_sample_method"] != "greedy")
-    if found is None:
-        lines.append("No history for this checkpoint (its store entries were removed).")
-    else:
-        group, row = found
-        compared = comparisons(group, row, (results.get("baseline") or {}).get("key"))
-        if compared:
-            lines += ["| | checkpoint | step | tau macro | 95% CI | this run's tau minus it (paired 95% CI) |",
-                      "|---|---|---|---|---|---|"]
-            lines.append(f"| this | {row.label} | {row.step if row.step is not None else '-'} | {row.tau_macro:.3f} | "
-                         f"{_interval(row.tau_macro_ci95)} | - |")
-            for names, c in merged(compared):
-                other = c.other
-                difference = f"{c.difference:+.3f}" + (
-                    f" ({c.difference_ci95[0]:+.2f} to {c.difference_ci95[1]:+.2f})" if c.difference_ci95 else "")
-                lines.append(f"| {names} | {other.label} | {other.step if other.step is not None else '-'} | "
-                             f"{other.tau_macro:.3f} | {_interval(other.tau_macro_ci95)} | {difference} |")
-            lines.append("")
-        if row.regression:
-            lines.append("**REGRESSION**: worse than the best earlier step on the same references (the paired 95% "
-                         "interval of the difference lies below 0).")
-        elif row.best:
-            lines.append("Best step of this run so far." if row.step is not None else
-                         "Best checkpoint so far (it has no training step).")
-        elif row.step is None:
-            lines.append("No training step: its place among the steps is unknown, so it is not judged a regression.")
-        elif not any(c.against == PREVIOUS_STEP for c in compared):
-            lines.append("No earlier step to compare with.")
-        else:
-            lines.append("No regression: not worse than the best earlier step on the same references (the paired "
-                         "95% interval of the difference reaches 0 or above).")
-        lines += ["", "Tau by checkpoint in this series (bars from 1, nothing accepted):", "", "```",
-                  *tau_chart(group, row), "```"]
-    lines += training_markdown(results.get("training"))
-    ran = [s for s, status in results["stages"].items() if status == "ran"]
+             "", f"**tau {scores.tau_macro:.3f}** (95% CI {low:.2f}-{high:.2f}), pooled {scores.tau_pooled:.3f}, "
+             f"block {scores.block_size}, {scores.n_scored_prompts} prompts"
+             + ("" if results.served["label"] == "greedy" else f", {results.served['label']}"), ""]
+    sections = results.sections()
+    lines += [line for s in sections if s.ORDER < AROUND for line in s.markdown(context)]
+    lines += series_markdown(found, (results.get("baseline") or {}).get("key"))
+    lines += [line for s in sections if s.ORDER >= AROUND for line in s.markdown(context)]
+    ran = [s for s, status in results.stages.items() if status == "ran"]
     lines += ["", f"Stages that ran: {', '.join(ran) or 'none (all cached)'}."]
     if report is not None:
         if served:
@@ -328,6 +283,44 @@ def summary_markdown(results: dict, found, report: Path | None, served: str | No
     if reruns:
         lines += ["", "Rerun one stage of this checkpoint:", "", "```", *rerun_commands(results), "```"]
     return "\n".join(lines)
+
+
+def series_markdown(found: tuple[Group, HistoryRow] | None, baseline: str | None) -> list[str]:
+    """The summary's lines on the checkpoint in its series: against the previous step, the best other checkpoint
+    and the baselines (`baseline`: the run's --baseline, a checkpoint key), with the regression flag, and tau by
+    checkpoint as text."""
+    if found is None:
+        return ["No history for this checkpoint (its store entries were removed)."]
+    lines = []
+    group, row = found
+    compared = comparisons(group, row, baseline)
+    if compared:
+        lines += ["| | checkpoint | step | tau macro | 95% CI | this run's tau minus it (paired 95% CI) |",
+                  "|---|---|---|---|---|---|"]
+        lines.append(f"| this | {row.label} | {row.step if row.step is not None else '-'} | {row.tau_macro:.3f} | "
+                     f"{_interval(row.tau_macro_ci95)} | - |")
+        for names, c in merged(compared):
+            other = c.other
+            difference = f"{c.difference:+.3f}" + (
+                f" ({c.difference_ci95[0]:+.2f} to {c.difference_ci95[1]:+.2f})" if c.difference_ci95 else "")
+            lines.append(f"| {names} | {other.label} | {other.step if other.step is not None else '-'} | "
+                         f"{other.tau_macro:.3f} | {_interval(other.tau_macro_ci95)} | {difference} |")
+        lines.append("")
+    if row.regression:
+        lines.append("**REGRESSION**: worse than the best earlier step on the same references (the paired 95% "
+                     "interval of the difference lies below 0).")
+    elif row.best:
+        lines.append("Best step of this run so far." if row.step is not None else
+                     "Best checkpoint so far (it has no training step).")
+    elif row.step is None:
+        lines.append("No training step: its place among the steps is unknown, so it is not judged a regression.")
+    elif not any(c.against == PREVIOUS_STEP for c in compared):
+        lines.append("No earlier step to compare with.")
+    else:
+        lines.append("No regression: not worse than the best earlier step on the same references (the paired "
+                     "95% interval of the difference reaches 0 or above).")
+    return lines + ["", "Tau by checkpoint in this series (bars from 1, nothing accepted):", "", "```",
+                    *tau_chart(group, row), "```"]
 
 
 # how the summary names what a comparison is against (reporting.history.Comparison.against)
@@ -350,40 +343,3 @@ def merged(compared: list[Comparison]) -> list[tuple[str, Comparison]]:
 
 def _interval(ci: tuple[float, float] | None) -> str:
     return f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-"
-
-
-def selector_markdown(selector: dict, sampled: bool) -> list[str]:
-    """The summary's lines on a DFlash2 drafter's selector (reporting.selector): against its unary head alone, then
-    per draft position."""
-    unary, shares = (f"{line[0].upper()}{line[1:]}." for line in selector_lines(selector, sampled))
-    lines = [unary, "", shares, "", "| draft position | reached | selector | argmax | recall |", "|---|---|---|---|---|"]
-    lines += [f"| {p.k} | {count(p.reached)} | {share(p.selector_accuracy)} | {share(p.argmax_accuracy)} | "
-              f"{share(p.candidate_recall)} |" for p in selector_positions(selector)]
-    return [*lines, ""]
-
-
-def training_markdown(training: dict | None) -> list[str]:
-    """The summary's lines on the training run (results["training"], reporting.tracker.track): what the trainer
-    logged at this step beside tau, the alarm's flags, where the TensorBoard run is, what could not be read."""
-    if not training or not (training["log"] or training["tensorboard"] or training["problems"]):
-        return []
-    lines = ["", "### Training beside evaluation", ""]
-    if training["log"]:
-        lines.append(f"Training log: `{training['log']}`.")
-    if point := training.get("at_step"):
-        logged = [(name, point[key]) for name, key in (
-            ("training accuracy", "accuracy"), ("eval accuracy", "eval_accuracy"), ("loss", "loss"),
-            (point["trainer_acceptance_metric"] or "", "trainer_acceptance")) if point[key] is not None]
-        if logged:
-            lines.append("At this step the trainer logged " + ", ".join(f"{n} {v:.3f}" for n, v in logged) + ".")
-        if point["implied"] is not None:
-            lines.append(f"They imply an acceptance length of {point['implied']:.2f} (from {point['implied_from']}).")
-    for flag in training["flags"]:
-        lines += ["", f"**{flag['kind'].upper()}** (step {flag['step']}): {flag['message']}"]
-    if training["log"] and not training["flags"] and training.get("no_flag"):
-        lines += ["", training["no_flag"]]  # what was checked, with the numbers (add_history)
-    if training["tensorboard"]:
-        lines += ["", f"TensorBoard run: `{training['tensorboard']}` (`tensorboard --logdir "
-                  f"{Path(training['tensorboard']).parent}`)."]
-    lines += [f"- {problem}" for problem in training["problems"]]
-    return lines

@@ -2,8 +2,10 @@
 
 Rows come from the store alone (scores -> drafts -> fetch, features entries), grouped by what makes
 taus comparable: the same target and references (the features entry: greedy, or sampled with one
-setting), the same sliding-layer semantics, and the same block size chosen with --block-size (without
-it, each drafter verifies its own block size, and drafters of different block sizes compare). Order: checkpoints with a training step by step; checkpoints without one (an untrained
+setting), the same sliding-layer semantics, the same block size chosen with --block-size (without
+it, each drafter verifies its own block size, and drafters of different block sizes compare), the same draft
+sampling and the same confidence threshold (--confidence-threshold: a DSpark drafter verifying fewer drafts is
+served otherwise, so its taus are a series of their own). Order: checkpoints with a training step by step; checkpoints without one (an untrained
 drafter, a final export) by when they were first scored (the scores entry's commit time), never by
 path. A checkpoint is flagged as a regression when it is worse than the best checkpoint of an earlier
 step on the same references: the 95% interval of the per-reference difference (paired bootstrap over
@@ -40,6 +42,7 @@ from urllib.parse import urlsplit
 from dflash_core.checkpoint_files import COMMIT_HASH, model_name, step_from_name
 from dflash_core.metrics import paired_difference_interval
 from dflash_core.sampling import Served
+from dflash_core.sections import Column, Section, registered, sections_of
 from dflash_eval.storage import CorruptEntryWarning, EntryMissing, Store, canonical_json, key_of, read_json
 from dflash_eval.storage.integrity import StaleEntryWarning, stale_upstream
 from dflash_eval.storage.schema import (
@@ -51,6 +54,8 @@ from dflash_eval.storage.schema import (
     ScoresRecord,
     Stage,
 )
+
+from .sections import ComparisonJson
 
 _NEVER = datetime.min.replace(tzinfo=UTC)  # a scores entry without a readable commit time sorts first
 
@@ -76,10 +81,9 @@ class HistoryRow:
     per_reference: tuple[tuple[str, str, float], ...] = ()
     # all-positions mode: each draft position's accuracy whatever came before it (as training measures it)
     teacher_forced_accuracy: tuple[float | None, ...] | None = None
-    # DFlash2: the tau its unary head's argmax alone reaches, and tau_macro minus it (what its candidate selector
-    # adds: scores.json's `selector`); None for other drafters
-    unary_tau_macro: float | None = None
-    selector_lift: float | None = None
+    # the values its scores.json's sections set beside tau (dflash_core.sections: Section.history, by name; a
+    # DFlash2 drafter's: unary_tau_macro, the tau its unary head's argmax alone reaches, and selector_lift)
+    values: dict[str, float | None] = field(default_factory=dict)
     merged_scores: tuple[str, ...] = ()  # the other scores entries of the same checkpoint this row stands for
     best: bool = False  # the best candidate of its group
     regression: bool = False  # worse than the best earlier step's (the module docstring)
@@ -109,6 +113,9 @@ class Group:
     series: str  # its key in Prefect (artifact keys, the `series:` tag): series_key
     rows: list[HistoryRow] = field(default_factory=list)  # candidates in history order (module doc), then baselines
     names: tuple[str, str] = ("", "")  # what people call its target and prompt set (readable_name), for series_key
+    # --confidence-threshold: the drafts a step verified stopped at the first the drafter was less confident of than
+    # this (a DSpark drafter's confidence head); None: every draft verified
+    confidence_threshold: float | None = None
 
     @property
     def candidates(self) -> list[HistoryRow]:
@@ -135,7 +142,7 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
         else:
             problems.append(message)
 
-    groups: dict[tuple[str, str, int | None, str | None], Group] = {}
+    groups: dict[tuple[str, str, int | None, str | None, float | None], Group] = {}
     for key in store.keys(Stage.SCORES):
         try:
             entry = store.read_entry(Stage.SCORES, key, discard_damaged=False)  # verifies scores.json
@@ -162,10 +169,12 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
                      "since; the next evaluation of that checkpoint scores it again", StaleEntryWarning)
             continue
         sampled = None if drafts.draft_sampling is None else canonical_json(drafts.draft_sampling)
-        group_key = (drafts.features, drafts.sliding_semantics, drafts.chosen_block_size, sampled)
+        group_key = (drafts.features, drafts.sliding_semantics, drafts.chosen_block_size, sampled,
+                     drafts.confidence_threshold or None)
         if group_key not in groups:
             title, sweep_title, setting, names = _describe(store, *group_key)
-            groups[group_key] = Group(*group_key, title, sweep_title, setting, "", names=names)
+            groups[group_key] = Group(*group_key[:4], title, sweep_title, setting, "", names=names,
+                                      confidence_threshold=group_key[4])
         rows = groups[group_key].rows
         ci = scores.get("tau_macro_ci95")
         row = HistoryRow(
@@ -179,8 +188,7 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
                                 if p.get("tau") is not None),
             teacher_forced_accuracy=tuple(scores["teacher_forced_accuracy"]) if "teacher_forced_accuracy" in scores
             else None,
-            unary_tau_macro=scores["selector"]["unary_tau_macro"] if "selector" in scores else None,
-            selector_lift=scores["selector"]["lift"] if "selector" in scores else None,
+            values={name: value for shown in sections_of(scores) for name, value in shown.history().items()},
         )
         same = next((r for r in rows if r.checkpoint == row.checkpoint), None)
         if same is not None:  # scored in decode and in all-positions mode: the same decode path, keep the richer
@@ -198,9 +206,15 @@ def history(store: Store, problems: list[str] | None = None) -> list[Group]:
                       for r in candidates + sorted(group.baselines, key=_scored)]
         # named by the training run of its first scored checkpoint: a name that stays as the series grows
         earliest = min(candidates, key=_scored, default=None)
-        group.series = series_key(store, *group_key, *group.names,
-                                  run=drafter_run(earliest.source) if earliest else None)
+        group.series = series_key(store, *group_key[:4], *group.names,
+                                  run=drafter_run(earliest.source) if earliest else None,
+                                  confidence_threshold=group_key[4])
     return sorted(groups.values(), key=lambda g: g.title)
+
+
+def shown_beside_tau(rows: list[HistoryRow]) -> list[tuple[type[Section], Column]]:
+    """The sections' history values some of `rows` hold, as the tables' columns beside tau, in section order."""
+    return [(cls, column) for cls in registered() for column in cls.HISTORY if any(column.name in r.values for r in rows)]
 
 
 def saves_of_the_series_on_the_curve(rows: list[HistoryRow]) -> list[HistoryRow]:
@@ -269,7 +283,7 @@ class Comparison:
         low, high = self.difference_ci95
         return "better" if low > 0 else "worse" if high < 0 else "no difference shown"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> ComparisonJson:
         """JSON-able: the results' `comparisons`, `history --json`."""
         ci = self.difference_ci95
         return {"against": self.against, "checkpoint": self.other.label, "source": self.other.source,
@@ -357,19 +371,23 @@ def drafter_run(source: str) -> str:
 
 
 def series_key(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None,
-               draft_sampling: dict | str | None, target: str, prompts: str, run: str | None = None) -> str:
+               draft_sampling: dict | str | None, target: str, prompts: str, run: str | None = None,
+               confidence_threshold: float | None = None) -> str:
     """A series' key in Prefect: `<target>-<drafter run>-<prompts>-<8 hex>`, lowercase letters, digits and dashes (an
     artifact key's alphabet), a word the parts repeat said once (`tiny-target-drafter-prompts-...`). The hex digits
     are what makes its taus comparable: the store, the features entry (the target's content and the references':
-    prompts, max new tokens, thinking, backend, sampling), the sliding-layer semantics, the chosen block size and how
-    drafts are sampled (draft_sampling, the drafts record's, or its canonical JSON; None: greedy drafts); the names
-    (readable_name, drafter_run) only make it readable."""
+    prompts, max new tokens, thinking, backend, sampling), the sliding-layer semantics, the chosen block size, how
+    drafts are sampled (draft_sampling, the drafts record's, or its canonical JSON; None: greedy drafts) and the
+    confidence threshold (None or 0: every draft verified); the names (readable_name, drafter_run) only make it
+    readable."""
     if isinstance(draft_sampling, str):
         draft_sampling = json.loads(draft_sampling)
     identity = key_of({"store": store.location, "features": features_key, "sliding_semantics": sliding_semantics,
                        "block_size": chosen_block_size,
                        # only when sampled: the keys of greedy drafts' series stay as they were
-                       **({"draft_sampling": draft_sampling} if draft_sampling is not None else {})})[:8]
+                       **({"draft_sampling": draft_sampling} if draft_sampling is not None else {}),
+                       # only when set: the keys of series verifying every draft stay as they were
+                       **({"confidence_threshold": confidence_threshold} if confidence_threshold else {})})[:8]
     prompts = re.sub(r"\.jsonl?$", "", readable_name(prompts))
     words = re.sub(r"[^a-z0-9]+", " ", " ".join((target, run or "", prompts)).lower()).split()
     name = "-".join(dict.fromkeys(words))[:SERIES_NAME].strip("-")
@@ -389,13 +407,16 @@ def references_of(store: Store, features_key: str) -> ReferencesRecord | None:
 
 
 def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_block_size: int | None,
-              draft_sampling: str | None) -> tuple[str, str, str, tuple[str, str]]:
+              draft_sampling: str | None, confidence_threshold: float | None = None
+              ) -> tuple[str, str, str, tuple[str, str]]:
     """A group's (title, sweep title, setting, names): the title for people, that title without the block size, how
-    the target is served (dflash_core.sampling.Served's label), and what people call its target and prompt set."""
+    the target is served (dflash_core.sampling.Served's label, the confidence threshold in it), and what people call
+    its target and prompt set."""
     references = references_of(store, features_key)
     if references is None:
         served = Served.from_record(None, block_size=chosen_block_size,
-                                    draft_sampling=None if draft_sampling is None else json.loads(draft_sampling))
+                                    draft_sampling=None if draft_sampling is None else json.loads(draft_sampling),
+                                    confidence_threshold=confidence_threshold)
         blocks = "" if served.default else f", {served.label}"
         title = f"features {features_key[:12]} ({sliding_semantics} sliding layers)"
         return title + blocks, title, f"features {features_key[:12]}" + blocks, ("features", features_key[:12])
@@ -408,8 +429,10 @@ def _describe(store: Store, features_key: str, sliding_semantics: str, chosen_bl
         prompts += f" ({references.benchmarks['protocol']})"
     given = references.backend.get("kind") == "given"
     drafts = None if draft_sampling is None else json.loads(draft_sampling)
-    served = Served.from_record(references.sampling, given, chosen_block_size, drafts)
-    swept = Served.from_record(references.sampling, given, draft_sampling=drafts)  # the same without the block size
+    served = Served.from_record(references.sampling, given, chosen_block_size, drafts, confidence_threshold)
+    # the same without the block size (a block-size sweep's groups share it)
+    swept = Served.from_record(references.sampling, given, draft_sampling=drafts,
+                               confidence_threshold=confidence_threshold)
     title = f"{target} on {prompts}, {references.max_new_tokens} new tokens"
     semantics = f" ({sliding_semantics} sliding layers)"
     return (title + ("" if served.default else f", {served.label}") + semantics,

@@ -14,8 +14,8 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 from matplotlib.typing import ColorType, LineStyleType
 
+from dflash_core.sections import Section, registered
 from dflash_eval.reporting.history import Group, HistoryRow
-from dflash_eval.reporting.selector import ShownSelector
 
 DPI = 110
 BASELINE_COLORS = ("tab:orange", "tab:gray", "tab:brown", "tab:pink", "tab:olive", "tab:cyan")
@@ -68,13 +68,14 @@ def tau_plot(group: Group) -> bytes:
         label = "tau macro, 95% CI" if len(runs) == 1 else f"{Path(run).name}: tau macro, 95% CI"
         color = RUN_COLORS[i % len(RUN_COLORS)]
         handles.append(ax.errorbar(_steps(rows), taus, yerr=errors, marker="o", capsize=4, color=color, label=label))
-        # DFlash2: the tau of its unary head alone, dashed in the run's colour
-        unary = [(r.step, r.unary_tau_macro) for r in rows if r.step is not None and r.unary_tau_macro is not None]
-        if unary:
-            label = "unary head alone" if len(runs) == 1 else f"{Path(run).name}: unary head alone"
-            (line,) = ax.plot(*zip(*unary), linestyle="--", marker="o", markerfacecolor="white", color=color,
-                              alpha=0.7, label=label)
-            handles.append(line)
+        # a section's value beside tau (a DFlash2 drafter's unary head alone), dashed in the run's colour
+        for name, said in (cls.BESIDE_TAU for cls in registered() if cls.BESIDE_TAU):
+            beside = [(r.step, r.values[name]) for r in rows if r.step is not None and r.values.get(name) is not None]
+            if beside:
+                label = said if len(runs) == 1 else f"{Path(run).name}: {said}"
+                (line,) = ax.plot(*zip(*beside), linestyle="--", marker="o", markerfacecolor="white", color=color,
+                                  alpha=0.7, label=label)
+                handles.append(line)
     best = group.best
     if best is not None and best.step is not None:
         label = f"best: step {best.step} ({best.tau_macro:.2f})"
@@ -146,32 +147,67 @@ def acceptance_plot(shown: list[HistoryRow], scores: dict[str, dict], colors: di
     return _png(fig)
 
 
-# a selector plot's line per share (reporting.selector.SHARES): how it is drawn and what the legend calls it
-SHARE_LINES: dict[str, tuple[LineStyleType, str, str]] = {
-    "selector_accuracy": ("-", "o", "selector's draft accepted"),
-    "argmax_accuracy": ("--", "s", "head's argmax would have been"),
-    "candidate_recall": (":", "^", "reference among the K candidates"),
-}
+# how a by-position plot draws its series, in order (Section.POSITION_LINES)
+POSITION_STYLES: tuple[tuple[LineStyleType, str], ...] = (("-", "o"), ("--", "s"), (":", "^"), ("-.", "D"))
 
 
-def selector_plot(selectors: list[ShownSelector], colors: dict) -> bytes:
+def by_position_plot(cls: type[Section], shown: list[tuple[HistoryRow, Section]], colors: dict) -> bytes:
+    """A section's series by draft position (Section.by_position) for the shown checkpoints: a colour per
+    checkpoint, a line style per series."""
     fig = Figure(figsize=(10, 4.5), dpi=DPI, layout="constrained")
     ax = fig.add_subplot()
-    for shown in selectors:
-        for name, (linestyle, marker, _) in SHARE_LINES.items():
-            shares = [math.nan if x is None else x for x in shown.summary[name]]  # None: no step reached k
-            ax.plot(range(1, len(shares) + 1), shares, color=colors[shown.row.scores], linestyle=linestyle,
-                    marker=marker)
-    # the legend: a colour per checkpoint, a line style per share
-    handles = [Line2D([], [], color=colors[shown.row.scores], label=name_of(shown.row)) for shown in selectors]
+    labels = cls.POSITION_LINES or {name: name for name in shown[0][1].by_position()}
+    lines = list(zip(labels.items(), POSITION_STYLES * (1 + len(labels) // len(POSITION_STYLES))))
+    for row, found in shown:
+        series = found.by_position()
+        for (name, _), (linestyle, marker) in lines:
+            values = [math.nan if x is None else x for x in series[name]]  # None: no step reached k
+            ax.plot(range(1, len(values) + 1), values, color=colors[row.scores], linestyle=linestyle, marker=marker)
+    # the legend: a colour per checkpoint, a line style per series
+    handles = [Line2D([], [], color=colors[row.scores], label=name_of(row)) for row, _ in shown]
     handles += [Line2D([], [], color="0.3", linestyle=linestyle, marker=marker, label=label)
-                for linestyle, marker, label in SHARE_LINES.values()]
-    ax.set(title="Candidate selector by draft position", xlabel="draft position k",
-           ylabel="share of the positions reached", ylim=(0, 1.03))
+                for (_, label), (linestyle, marker) in lines]
+    ax.set(title=f"{cls.TITLE} by draft position", xlabel="draft position k", ylabel=cls.POSITION_AXIS,
+           ylim=(0, 1.03))
     ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=16))
     ax.grid(alpha=0.3)
     fig.legend(handles=handles, loc="outside lower center",
                ncols=_legend_columns([str(h.get_label()) for h in handles], 10))
+    return _png(fig)
+
+
+def curve_of(found: Section) -> list[tuple[float, float, float]] | None:
+    """A section's curve, when it draws one (a `curve()` method and CURVE_AXES: a DSpark drafter's confidence head,
+    its reliability curve): per point (x, y, weight); None when it draws none or has no point."""
+    curve, axes = getattr(found, "curve", None), getattr(found, "CURVE_AXES", None)
+    if not callable(curve) or not axes:
+        return None
+    points = curve()
+    return list(points) if points else None
+
+
+def curve_plot(cls: type[Section], shown: list[tuple[HistoryRow, Section]], colors: dict) -> bytes:
+    """A section's curve (curve_of) for the shown checkpoints on the unit square, each point sized by its weight, with
+    the diagonal y = x: a calibrated prediction lies on it (a point below: predicted more often than it happened)."""
+    axes: tuple[str, str] = getattr(cls, "CURVE_AXES", ("", ""))
+    fig = Figure(figsize=(6.5, 6), dpi=DPI, layout="constrained")
+    ax = fig.add_subplot()
+    handles: list[Artist] = [ax.plot([0, 1], [0, 1], color="0.5", linestyle=":", label="y = x (calibrated)")[0]]
+    for row, found in shown:
+        points = curve_of(found) or []
+        xs, ys, weights = zip(*points) if points else ((), (), ())
+        largest = max(weights, default=1) or 1
+        (line,) = ax.plot(xs, ys, color=colors[row.scores], linestyle="--" if row.baseline else "-", marker=None,
+                          label=name_of(row))
+        ax.scatter(xs, ys, s=[12 + 80 * w / largest for w in weights], color=colors[row.scores], zorder=3)
+        handles.append(line)
+    ax.set(title=f"{cls.TITLE}: reliability", xlabel=axes[0], ylabel=axes[1], xlim=(0, 1), ylim=(0, 1.03))
+    ax.set_aspect("equal", adjustable="box")
+    ax.grid(alpha=0.3)
+    ax.text(0.01, 0.97, "marker area: positions in the bin", transform=ax.transAxes, fontsize=7, color="0.35",
+            va="top")
+    fig.legend(handles=handles, loc="outside lower center",
+               ncols=_legend_columns([str(h.get_label()) for h in handles], 6.5))
     return _png(fig)
 
 

@@ -13,10 +13,12 @@ reporting.history) the report shows:
 - for the newest `last` checkpoints and the baselines: the conditional acceptance of each draft position
   k (where inside the block the drafter loses its way) beside the cumulative curve P(positions 1..k all
   accepted), the acceptance-length histogram, and tau per prompt category;
-- for DFlash2 drafters (scores.json's `selector`): the tau of the unary head alone beside tau in the table and
-  over training steps (dashed), and for the shown checkpoints, per draft position, how often the candidate
-  selector's draft was accepted, the head's argmax would have been, and the reference's token was among the K
-  candidates (reporting.selector);
+- what the checkpoints' scores.json's sections add (dflash_core.sections; a DFlash2 drafter's candidate selector:
+  the tau of its unary head alone beside tau in the table and over training steps, dashed, and for the shown
+  checkpoints, per draft position, how often the selector's draft was accepted, the head's argmax would have been,
+  and the reference's token was among the K candidates): their values in the table (Section.HISTORY), a line beside
+  tau over training steps (BESIDE_TAU), and a table of their own for the shown checkpoints (REPORT_COLUMNS), with a
+  plot by draft position (by_position);
 - for a series on published benchmarks (its references record's `benchmarks`): the protocol in its heading and,
   for its newest checkpoint, tau per benchmark in z-lab's layout with the published tau beside it and the notes
   (reporting.benchmarks, the same table the command line and the Prefect summary show);
@@ -45,18 +47,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from markupsafe import Markup
 
 from dflash_core.checkpoint_files import model_name
 from dflash_core.published.numbers import Setting, beside_published
 from dflash_core.sampling import Served
-from dflash_eval.reporting.benchmarks import (
-    COLUMNS,
-    BenchmarkLine,
-    benchmark_lines,
-    benchmark_notes,
-    markdown_strong,
-    reasoning_of,
-)
+from dflash_core.sections import Column, Context, Section, Table, markdown_strong, registered, sections_of
+from dflash_eval.reporting.benchmarks import Benchmarks, reasoning_of
 from dflash_eval.reporting.history import (
     BEST,
     PREVIOUS_STEP,
@@ -66,18 +63,20 @@ from dflash_eval.reporting.history import (
     comparisons,
     history,
     references_of,
+    shown_beside_tau,
 )
 from dflash_eval.reporting.plots import (
     ablation_plot,
     acceptance_plot,
+    by_position_plot,
+    curve_of,
+    curve_plot,
     histogram_plot,
     name_of,
     offset_plot,
     row_colors,
-    selector_plot,
     tau_plot,
 )
-from dflash_eval.reporting.selector import ShownSelector, count, share
 from dflash_eval.reporting.training_side import TrainingSide, logged_column, training_sides
 from dflash_eval.storage import EntryMissing, Store, read_json
 from dflash_eval.storage.records import write_bytes_atomic
@@ -150,9 +149,20 @@ class BenchmarkTable:
     """tau per published benchmark of one checkpoint in z-lab's layout (reporting.benchmarks), with its notes."""
 
     row: HistoryRow  # the checkpoint
-    lines: list[BenchmarkLine]
-    notes: list[str]
-    columns: tuple[str, ...] = COLUMNS
+    tables: list[Table]
+
+
+@dataclass(frozen=True)
+class ShownSection:
+    """A section's table in the report: a row per shown checkpoint whose scores hold it, and its plot by draft
+    position (dflash_core.sections: REPORT_COLUMNS, report_row, by_position)."""
+
+    title: str
+    text: str  # the paragraph above the table
+    columns: list[str]
+    rows: list[list[str]]  # the checkpoint's name, then report_row
+    plot: Plot | None  # None: the section plots nothing by draft position
+    curve: Plot | None = None  # its curve against y = x (a section's curve(), CURVE_AXES); None: it draws none
 
 
 @dataclass(frozen=True)
@@ -164,7 +174,8 @@ class GroupSection:
     n_prompts: int | None
     block_sizes: list[int]
     all_positions: bool  # some row has an all-positions tau: the table shows the column
-    selector: bool  # some row is a DFlash2 drafter's: the table shows its unary head's tau and the lift
+    beside: list[Column]  # the sections' values some row holds (a DFlash2 drafter's unary head tau and lift)
+    beside_texts: list[str]  # what those columns are, a paragraph per section
     newest: HistoryRow | None  # the last candidate in history order
     speedup: dict[str, float]  # speedup upper bound of the newest, {drafter cost c: tau / (1 + c)}; {}: none
     tau_plot: Plot | None  # None: no checkpoint has a training step
@@ -172,8 +183,7 @@ class GroupSection:
     histogram_plot: Plot
     shown: list[HistoryRow]  # the newest `last` candidates and the baselines: the curves and the category table
     categories: list[CategoryTau]
-    selectors: list[ShownSelector]  # the shown rows that are DFlash2 drafters'
-    selector_plot: Plot | None  # their shares by draft position; None: no shown row has a selector
+    sections: list[ShownSection]  # the sections of the shown rows' scores that have a table in the report
     diagnostics: list[DiagnosticsSection]
     training: list[TrainingSide]  # each training run of the group's checkpoints with a log, beside it
     # each row's (scores key) tau minus the previous step's and the best other checkpoint's, with the paired 95%
@@ -186,9 +196,14 @@ class GroupSection:
     def title(self) -> str:
         return self.group.title
 
+    def beside_cells(self, row: HistoryRow) -> list[str]:
+        """The row's cells of the sections' values (`beside`)."""
+        return [column.cell(row.values.get(column.name)) for column in self.beside]
+
     def plots(self) -> list[Plot]:
         """Every plot of the section."""
-        plots = [self.tau_plot, self.acceptance_plot, self.histogram_plot, self.selector_plot]
+        plots = [self.tau_plot, self.acceptance_plot, self.histogram_plot,
+                 *(p for s in self.sections for p in (s.plot, s.curve))]
         plots += [p for d in self.diagnostics for p in (d.ablation, d.offset_probe)]
         return [p for p in plots if p is not None]
 
@@ -325,7 +340,7 @@ def _environment(autoescape: bool) -> Environment:
                               trim_blocks=True, lstrip_blocks=True)
     environment.filters.update(counted=_count, decimals=_decimals, percent=_percent, fence=_fence,
                                md_cell=_markdown_cell, md_strong=markdown_strong, name=name_of, squash=_squash,
-                               share=share, count=count)
+                               prose=_prose if autoescape else str)
     environment.globals.update(logged_column=logged_column)  # the training table's column of the trainer's number
     return environment
 
@@ -366,7 +381,8 @@ def _group_section(store: Store, group: Group, anchor: str, last: int, diagnosti
     shown = group.candidates[-last:] + group.baselines
     colors = row_colors(shown)
     stepped = any(r.step is not None for r in group.candidates)
-    selectors = [ShownSelector(row, scores[row.scores]["selector"]) for row in shown if "selector" in scores[row.scores]]
+    context = Context(sampled=group.draft_sampling is not None)
+    beside = shown_beside_tau(group.rows)
     sections = []
     for row in group.rows:
         report = diagnostics.get((group.features, group.sliding_semantics, row.checkpoint))
@@ -377,7 +393,8 @@ def _group_section(store: Store, group: Group, anchor: str, last: int, diagnosti
         n_prompts=scores[group.rows[0].scores].get("n_prompts"),  # the same references for every row
         block_sizes=sorted({s.get("block_size") for s in scores.values()} - {None}),
         all_positions=any(row.all_positions_tau is not None for row in group.rows),
-        selector=any(row.unary_tau_macro is not None for row in group.rows),
+        beside=[column for _, column in beside],
+        beside_texts=[text for cls in dict.fromkeys(cls for cls, _ in beside) if (text := cls.history_text(context))],
         newest=newest,
         speedup=(scores[newest.scores].get("projected_speedup") or {}) if newest is not None else {},
         tau_plot=Plot(f"{anchor}{TAU_PLOT}", "tau macro by training step", tau_plot(group)) if stepped else None,
@@ -387,9 +404,7 @@ def _group_section(store: Store, group: Group, anchor: str, last: int, diagnosti
                             histogram_plot(shown, scores, colors)),
         shown=shown,
         categories=_categories(shown, scores),
-        selectors=selectors,
-        selector_plot=Plot(f"{anchor}-selector", "candidate selector by draft position",
-                           selector_plot(selectors, colors)) if selectors else None,
+        sections=_shown_sections(shown, scores, colors, anchor, context),
         diagnostics=sections,
         training=training,
         paired={row.scores: _paired_cells(group, row) for row in group.rows},
@@ -419,6 +434,36 @@ def _published_references(store: Store, group: Group) -> ReferencesRecord | None
     return references if references is not None and references.benchmarks else None
 
 
+def _shown_sections(shown: list[HistoryRow], scores: dict[str, dict], colors: dict, anchor: str,
+                    context: Context) -> list[ShownSection]:
+    """Each section with a table in the report (REPORT_COLUMNS) that some shown row's scores hold: a row per such
+    checkpoint, its plot by draft position (`<anchor>-<key>.png`) when it has series by position, and its curve
+    against the diagonal (`<anchor>-<key>-curve.png`) when it draws one (plots.curve_of: a DSpark drafter's confidence
+    head, its reliability curve)."""
+    held: dict[type[Section], list[tuple[HistoryRow, Section]]] = {}
+    for row in shown:
+        for found in sections_of(scores[row.scores]):
+            if found.REPORT_COLUMNS:
+                held.setdefault(type(found), []).append((row, found))
+    tables = []
+    for cls in (cls for cls in registered() if cls in held):  # in the order the renderers show sections
+        rows = held[cls]
+        positioned = [(row, found) for row, found in rows if found.by_position()]
+        subject = f"{cls.TITLE[:1].lower()}{cls.TITLE[1:]}"
+        plot = Plot(f"{anchor}-{cls.KEY}", f"{subject} by draft position",
+                    by_position_plot(cls, positioned, colors)) if positioned else None
+        curved = [(row, found) for row, found in rows if curve_of(found)]
+        x_axis, y_axis = getattr(cls, "CURVE_AXES", ("", ""))
+        curve = Plot(f"{anchor}-{cls.KEY}-curve", f"{subject}: {y_axis} against {x_axis}",
+                     curve_plot(cls, curved, colors)) if curved else None
+        text = (cls.report_text(context) + (" The plot shows the same by draft position." if plot else "")
+                + (" The curve shows, per bin of the prediction over every position, the share that happened against "
+                   "the mean prediction: a calibrated prediction lies on the diagonal." if curve else ""))
+        tables.append(ShownSection(cls.TITLE, text, ["checkpoint", *cls.REPORT_COLUMNS],
+                                   [[name_of(row), *found.report_row()] for row, found in rows], plot, curve))
+    return tables
+
+
 def _benchmark_table(references: ReferencesRecord, group: Group, row: HistoryRow, scores: dict) -> BenchmarkTable | None:
     """The row's tau per benchmark beside the published taus (numbers.beside_published, as the run's results build
     it), in the setting the store knows: the group's target name, served setting and block size, the row's drafter,
@@ -428,14 +473,15 @@ def _benchmark_table(references: ReferencesRecord, group: Group, row: HistoryRow
     prompt_set = references.benchmarks
     served = Served.from_record(references.sampling, references.backend.get("kind") == "given",
                                 group.chosen_block_size,
-                                None if group.draft_sampling is None else json.loads(group.draft_sampling))
+                                None if group.draft_sampling is None else json.loads(group.draft_sampling),
+                                group.confidence_threshold)
     sampling = served.sampling
     setting = Setting(references.target_name or model_name(references.target or "target"), model_name(row.source),
                       sampling.temperature, sampling.top_p, sampling.top_k, scores["block_size"],
                       prompt_set["protocol"], references.max_new_tokens,
                       reasoning_of(prompt_set.get("template_kwargs") or {}), served.draft_sample_method)
     block = beside_published(scores["by_benchmark"], prompt_set, setting)
-    return BenchmarkTable(row, benchmark_lines(block), benchmark_notes(block))
+    return BenchmarkTable(row, Benchmarks(block).tables(Context(sampled=group.draft_sampling is not None)))
 
 
 def _categories(shown: list[HistoryRow], scores: dict[str, dict]) -> list[CategoryTau]:
@@ -480,6 +526,11 @@ def _decimals(x: float | None, digits: int) -> str:
 
 def _percent(x: float) -> str:
     return f"{x:.0%}"
+
+
+def _prose(text: str) -> Markup:
+    """A section's paragraph in the HTML report: &, < and > escaped, quotes as they are (as the template's own text)."""
+    return Markup(text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;"))
 
 
 def _squash(text: str) -> str:

@@ -9,14 +9,14 @@ place, the old ones are removed after). Our event files end in TRACKER_SUFFIX, s
 
 Scalars, at each checkpoint's training step, one number per checkpoint under PREFIX (greedy at the drafter's
 block size) or PREFIX/<setting> (a sampled setting, a chosen block size: dflash_core.sampling.Served's label,
-"greedy, blocks of 4"): tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high,
-all_positions_tau (when scored), and, where the trainer's log implies one, trainer_implied_acceptance; a DFlash2
-drafter adds its candidate selector against its unary head alone (dflash_core.metrics.selector_summary):
-selector/unary_tau_macro (the tau of the head's argmax alone) and selector/lift (tau_macro minus it). The series
-by draft position are under BY_POSITION (BY_POSITION/<setting>): acceptance_at_position/<k> (P(position k
-accepted | earlier ones accepted)), teacher_forced_accuracy/<k> (scored with --all-positions), and for DFlash2
-selector/selector_accuracy/<k>, selector/argmax_accuracy/<k>, selector/candidate_recall/<k> (where a decode step
-reached k). The gap alarm's flags are text, PREFIX/flags.
+"greedy, blocks of 4"): tau_macro, tau_macro_ci95_low/high, tau_pooled, tau_pooled_ci95_low/high, each section's
+of its scores.json (dflash_core.sections: all_positions_tau when scored with --all-positions; a DFlash2 drafter's
+selector/unary_tau_macro, the tau of its unary head's argmax alone, and selector/lift, tau_macro minus it) and,
+where the trainer's log implies one, trainer_implied_acceptance. The series by draft position are under BY_POSITION
+(BY_POSITION/<setting>): acceptance_at_position/<k> (P(position k accepted | earlier ones accepted)) and the
+sections' (teacher_forced_accuracy/<k> with --all-positions; for DFlash2 selector/selector_accuracy/<k>,
+selector/argmax_accuracy/<k>, selector/candidate_recall/<k>, where a decode step reached k). The gap alarm's flags
+are text, PREFIX/flags.
 
 TensorBoard's default view (Time Series, Scalars) groups cards by the tag's first component, sorted, and opens
 the first two groups: PREFIX's first, tau_macro its first card (only all_positions_tau, a DFlash2 drafter's
@@ -25,7 +25,7 @@ PREFIX/acceptance_at_position/<k>, ..., seven cards and more in front of tau: ev
 from the store, so the next evaluation of any step of a training run renames them in its TensorBoard and MLflow
 runs; nothing reads our runs back). The run also holds a Custom Scalars layout
 (custom_scalars_layout; TensorBoard's "Custom Scalars" tab), first tau beside the trainer's own acceptance
-metric on one chart: its tag regexes match across runs, ours and the trainer's.
+metric on one chart: its tag regexes match across runs, ours and the trainer's; then the sections' charts.
 
 With a tracking URI (--mlflow), the same points go to an MLflow run of ours (experiment "dflash-eval", one
 run per training run, tagged with it), rewritten the same way: a new run, then the old one deleted.
@@ -36,14 +36,16 @@ import re
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from dflash_core.sections import Chart, sections_of
 from dflash_eval.reporting.training_log import TRACKER_SUFFIX, TRAINER_ACCEPTANCE, read_training_log
 from dflash_eval.storage import read_json
 
+from . import sections as _sections  # noqa: F401 - registers the sections scores.json may hold
 from .history import Group
-from .selector import SHARES
+from .sections import TrainingJson
 from .training_side import TrainingSide, holds_training_log, training_run_of, training_sides
 
 PREFIX = "dflash_eval"
@@ -81,10 +83,12 @@ _PER_POSITION = re.compile(r"/\d+$")  # _scalars' names by draft position end in
 @dataclass(frozen=True)
 class Projection:
     """What a tracker shows of one training run: scalars (tag, training step, value) and the flags' text
-    (tag, training step, markdown), in step order."""
+    (tag, training step, markdown), in step order; the charts of the sections among them (series prefix, chart), in
+    the order they were first met."""
 
     scalars: list[tuple[str, int, float]]
     texts: list[tuple[str, int, str]]
+    charts: list[tuple[str, Chart]] = field(default_factory=list)
 
     @property
     def tags(self) -> list[str]:
@@ -95,19 +99,22 @@ def projection(groups: list[Group], run: str, sides: dict[int, TrainingSide]) ->
     """Every stepped checkpoint of training run `run` (reporting.training_side.training_run_of) in `groups`, as
     tracker points; sides: {group index: its TrainingSide}, for what the trainer's numbers imply and the flags."""
     prefixes = series_prefixes(groups)
-    scalars, texts = [], []
+    scalars, texts, charts = [], [], []
     for index, group in enumerate(groups):
         rows = [r for r in group.candidates if r.step is not None and training_run_of(r.source) == run]
         side = sides.get(index)
         for row in sorted(rows, key=lambda r: r.step or 0):
             assert row.step is not None
-            for name, value in _scalars(row, read_json(Path(row.scores_path)), side).items():
+            scores = read_json(Path(row.scores_path))
+            for name, value in _scalars(row, scores, side).items():
                 prefix = by_position(prefixes[index]) if _PER_POSITION.search(name) else prefixes[index]
                 scalars.append((f"{prefix}/{name}", row.step, value))
+            charts += [(prefixes[index], chart) for shown in sections_of(scores) for chart in shown.charts()
+                       if (prefixes[index], chart) not in charts]
             if flags := side.flags_at(row.step) if side else []:
                 texts.append((f"{prefixes[index]}/flags", row.step,
                               "\n\n".join(f"**{f.kind}**: {f.message}" for f in flags)))
-    return Projection(scalars, texts)
+    return Projection(scalars, texts, charts)
 
 
 def write_tensorboard(folder: Path, points: Projection) -> None:
@@ -149,7 +156,8 @@ def custom_scalars_layout(points: Projection) -> dict[str, dict[str, list]]:
     """TensorBoard's Custom Scalars layout of our run (SummaryWriter.add_custom_scalars' form: {category: {chart:
     ["Multiline", tag regexes] or ["Margin", [value, lower, upper tags]]}}), in the order the tab shows it:
     LAYOUT_TAU first, its first chart tau beside the trainer's acceptance (TAU_BESIDE_TRAINER), then tau with its
-    interval per series; then the series by draft position; then a DFlash2 drafter's selector."""
+    interval per series; then the series by draft position; then the sections' charts (a DFlash2 drafter's
+    selector), each where some tag it draws was written."""
     tags = set(points.tags)
     series = sorted((tag.removesuffix("/tau_macro") for tag in tags
                      if tag.endswith("/tau_macro") and tag.startswith(f"{PREFIX}/")), key=lambda p: (p != PREFIX, p))
@@ -157,30 +165,32 @@ def custom_scalars_layout(points: Projection) -> dict[str, dict[str, list]]:
     def named(title: str, prefix: str) -> str:
         return title if prefix == PREFIX else f"{title} ({prefix[len(PREFIX) + 1:]})"
 
-    def exact(tag: str) -> str:
-        return f"^{re.escape(tag)}$"
-
     tau: dict[str, list] = {TAU_BESIDE_TRAINER: ["Multiline", list(TAU_BESIDE_TRAINER_TAGS)]}
     for p in series:
         if {f"{p}/tau_macro_ci95_low", f"{p}/tau_macro_ci95_high"} <= tags:
             tau[named("tau_macro with its 95% interval", p)] = [
                 "Margin", [f"{p}/tau_macro", f"{p}/tau_macro_ci95_low", f"{p}/tau_macro_ci95_high"]]
-    positions: dict[str, list] = {}
-    selector: dict[str, list] = {}
+    layout: dict[str, dict[str, list]] = {LAYOUT_TAU: tau, LAYOUT_BY_POSITION: {}}
     for p in series:
-        for name, title in (("acceptance_at_position", "acceptance at draft position k (given the earlier ones)"),
-                            ("teacher_forced_accuracy", "teacher-forced accuracy at draft position k")):
-            if any(tag.startswith(f"{by_position(p)}/{name}/") for tag in tags):
-                positions[named(title, p)] = ["Multiline", [f"^{re.escape(by_position(p))}/{name}/" + r"\d+$"]]
-        if f"{p}/selector/unary_tau_macro" in tags:
-            selector[named("tau against its unary head alone", p)] = [
-                "Multiline", [exact(f"{p}/tau_macro"), exact(f"{p}/selector/unary_tau_macro")]]
-            selector[named("the selector's lift", p)] = ["Multiline", [exact(f"{p}/selector/lift")]]
-            for share in SHARES:
-                selector[named(f"{share} by draft position", p)] = [
-                    "Multiline", [f"^{re.escape(by_position(p))}/selector/{share}/" + r"\d+$"]]
-    layout = {LAYOUT_TAU: tau, "dflash-eval: by draft position": positions, "dflash-eval: DFlash2 selector": selector}
+        if any(tag.startswith(f"{by_position(p)}/acceptance_at_position/") for tag in tags):
+            layout[LAYOUT_BY_POSITION][named("acceptance at draft position k (given the earlier ones)", p)] = [
+                "Multiline", [f"^{re.escape(by_position(p))}/acceptance_at_position/" + r"\d+$"]]
+        for prefix, chart in points.charts:
+            regexes = [_chart_regex(p, tag) for tag in chart.tags]
+            if prefix == p and any(re.match(regex, tag) for regex in regexes for tag in tags):
+                layout.setdefault(chart.group, {})[named(chart.title, p)] = ["Multiline", regexes]
     return {category: charts for category, charts in layout.items() if charts}
+
+
+LAYOUT_BY_POSITION = "dflash-eval: by draft position"  # the Custom Scalars tab's category of the series by position
+
+
+def _chart_regex(prefix: str, tag: str) -> str:
+    """A section's chart tag (dflash_core.sections.Chart) as the regex of its series' tag: a series by draft
+    position (`name/\\d+`) under the series' by-position prefix, any other tag exactly."""
+    if tag.endswith(r"/\d+"):
+        return f"^{re.escape(by_position(prefix))}/{tag}$"
+    return f"^{re.escape(f'{prefix}/{tag}')}$"
 
 
 def write_mlflow(tracking_uri: str, run: str, points: Projection) -> str:
@@ -218,24 +228,16 @@ def write_mlflow(tracking_uri: str, run: str, points: Projection) -> str:
 
 
 def _scalars(row, scores: dict, side: TrainingSide | None) -> dict[str, float]:
+    """A checkpoint's scalars, by name under its series' prefix."""
     values = {"tau_macro": row.tau_macro, "tau_pooled": row.tau_pooled}
     for name in ("tau_macro", "tau_pooled"):
         if interval := scores.get(f"{name}_ci95"):
             values[f"{name}_ci95_low"], values[f"{name}_ci95_high"] = interval
-    if row.all_positions_tau is not None:
-        values["all_positions_tau"] = row.all_positions_tau
     for k, p in enumerate(scores.get("position_acceptance") or [], start=1):
         if p is not None:
             values[f"acceptance_at_position/{k}"] = p
-    for k, a in enumerate(row.teacher_forced_accuracy or (), start=1):
-        if a is not None:
-            values[f"teacher_forced_accuracy/{k}"] = a
-    if selector := scores.get("selector"):  # a DFlash2 drafter: its candidate selector against its unary head alone
-        values["selector/unary_tau_macro"], values["selector/lift"] = selector["unary_tau_macro"], selector["lift"]
-        for name in SHARES:
-            for k, share in enumerate(selector[name], start=1):
-                if share is not None:
-                    values[f"selector/{name}/{k}"] = share
+    for shown in sections_of(scores):  # all positions, a generation's numbers (DFlash2's selector), ...
+        values.update(shown.scalars())
     if side is not None and (implied := side.implied(row)) is not None:
         values["trainer_implied_acceptance"] = implied[0]
     return values
@@ -247,7 +249,7 @@ def _tag(text: str) -> str:
 
 
 def track(groups: list[Group], source: str, training_log: str | None, tensorboard: str | None,
-          window: int, mlflow: str | None = None) -> tuple[dict, dict[int, list[TrainingSide]]]:
+          window: int, mlflow: str | None = None) -> tuple[TrainingJson, dict[int, list[TrainingSide]]]:
     """The training side of an evaluated checkpoint (`source`): its run's log read beside every group
     (reporting.training_side), the TensorBoard run (and, given a tracking URI, the MLflow run) rewritten. Returns
     (results["training"], {group index: the TrainingSide of each of its training runs with a log}), the
@@ -258,12 +260,12 @@ def track(groups: list[Group], source: str, training_log: str | None, tensorboar
     every = {index: training_sides(group, logs, window) for index, group in enumerate(groups)}
     sides = {index: side for index, found in every.items() for side in found
              if side.rows and training_run_of(side.rows[0].source) == run}
-    record: dict = {"run": run, "log": None, "problems": [], "flags": [], "tensorboard": None}
+    record: TrainingJson = {"run": run, "log": None, "problems": [], "flags": [], "tensorboard": None}
     if sides:
         first = next(iter(sides.values()))
-        record.update(log=first.log.folder, problems=first.log.problems,
-                      flags=[{"kind": f.kind, "step": f.step, "message": f.message}
-                             for side in sides.values() for f in side.flags])
+        record["log"], record["problems"] = first.log.folder, first.log.problems
+        record["flags"] = [{"kind": f.kind, "step": f.step, "message": f.message}
+                           for side in sides.values() for f in side.flags]
         mine = [(side, row) for side in sides.values() for row in side.rows if row.source == source]
         if mine:
             side, row = mine[0]

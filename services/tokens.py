@@ -1,6 +1,6 @@
 """Secrets from files: the relay's bearer tokens and the reference server's API key are given as a file
 holding them (`--token-file`, `--relay-token-file`, `--api-key-file`), never on the command line or as a flow
-parameter, where `ps` and the Prefect UI would show them. One reader for the command line (flows/cli) and
+parameter, where `ps` and the Prefect UI would show them. One reader for the command line (cli/) and
 the fetch stage (tasks/fetch.py)."""
 
 import os

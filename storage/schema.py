@@ -135,6 +135,12 @@ class DraftsRecord(_Record):
     # sampled drafts (dflash_core.sampled_drafts): {"q": how the drafter's logits became q (Sampling.identity()),
     # "seed": of the acceptance coins}; None: greedy drafts
     draft_sampling: dict[str, Any] | None = _written_when_set()
+    # --confidence-threshold: a drafter with a confidence head (DSpark) verified only the drafts before the first it
+    # was less confident of than this; None: every draft verified
+    confidence_threshold: float | None = _written_when_set()
+    # a save holding its own copies of the target's embedding and head (DeepSpec's) that differ from the target's:
+    # {tensor name: what differs} (DFlashDrafter.token_head_differences); None when they equal it, or it holds none
+    token_head: dict[str, str] | None = _written_when_set()
     # drafted on a Dask cluster (--dask): per shard (one replay group), its prompts [start, stop) and the
     # worker that drafted it (tasks/cluster.py); None when drafted in the flow's own process
     shards: tuple[dict[str, Any], ...] | None = _written_when_set()

@@ -22,13 +22,15 @@ import torch
 from prefect import task
 from prefect.cache_policies import NONE
 
+from dflash_core.blocks import Block
 from dflash_core.choices import DEFAULT_REPLAY_GROUP
 from dflash_core.drafter import DFlashDrafter, load_drafter
 from dflash_core.drafter_config import check_compatible
+from dflash_core.generations import Generation, by_architecture
 from dflash_core.metrics import ImpossibleTau
 from dflash_core.replay import replay
 from dflash_core.sampled_drafts import SampledDrafts, coin_seed
-from dflash_core.sampling import Sampling
+from dflash_core.sampling import DraftSampling
 from dflash_core.token_head import load_token_head
 from dflash_eval.storage import EntryMissing, Store, key_of, read_json, write_json_atomic
 from dflash_eval.storage.feature_store import TARGET_PROBS
@@ -62,6 +64,16 @@ class Drafts:
     sliding_semantics: str
     shards: tuple[dict[str, Any], ...] | None = None  # DraftsRecord.shards: who drafted them on a cluster
     draft_sampling: dict[str, Any] | None = None  # DraftsRecord.draft_sampling: None, greedy drafts
+    architecture: str = "DFlashDraftModel"  # the drafter's, which names its generation (dflash_core.generations)
+    confidence_threshold: float = 0.0  # DraftsRecord.confidence_threshold (0: every draft verified)
+    token_head: dict[str, str] | None = None  # DraftsRecord.token_head: the save's copies that differ from the target's
+
+    @property
+    def generation(self) -> Generation:
+        """The drafter's generation: what its drafts.json holds beside the steps, and the numbers it adds."""
+        generation = by_architecture(self.architecture)
+        assert generation is not None, "the fetched drafter's config was read, so its generation is registered"
+        return generation
 
 
 def replay_groups(n: int, group_size: int = PROMPTS_PER_GROUP) -> list[tuple[int, int]]:
@@ -69,16 +81,21 @@ def replay_groups(n: int, group_size: int = PROMPTS_PER_GROUP) -> list[tuple[int
     return [(start, min(start + group_size, n)) for start in range(0, n, group_size)]
 
 
-def per_prompt_items(items, results) -> list[dict]:
+def per_prompt_items(items, results, generation: Generation) -> list[dict]:
     """drafts.json's `per_prompt` items of these references (ReferenceItem) and their ReplayResults: with sampled
     drafts, `expected` holds the steps in expectation over the acceptance coins, and the steps one draw of them; a
-    DFlash2 drafter's also hold `unary`, its unary head's own steps (alike), and `selector_positions`
-    (dflash_core.metrics.SELECTOR_COUNTS per draft position)."""
+    drafter whose generation has a head also holds its base walk's steps (alike) and its counts per draft position,
+    under the generation's names (DFlash2: `unary`, `selector_positions`); under a verify threshold, the drafts each
+    step verified (`verified_drafts`); a drafter that predicts its drafts' acceptance, the predictions' calibration
+    (`calibration`: ReplayResult.calibration)."""
     return [{"id": i.id, "starts": r.starts, "acceptance_lengths": r.acceptance_lengths,
              "rejected_drafts": r.rejected_drafts, "all_positions": r.all_positions,
              **({"position_hits": r.position_hits} if r.position_hits is not None else {}),
              **({"expected": asdict(r.expected)} if r.expected is not None else {}),
-             **({"unary": _steps(r.unary), "selector_positions": r.selector_positions} if r.unary is not None else {})}
+             **({generation.BASE_WALK: _steps(r.base), generation.COUNTS_NAME: r.position_counts}
+                if r.base is not None and generation.BASE_WALK and generation.COUNTS_NAME else {}),
+             **({"verified_drafts": r.verified_drafts} if r.verified_drafts is not None else {}),
+             **({"calibration": r.calibration} if r.calibration is not None else {})}
             for i, r in zip(items, results)]
 
 
@@ -97,6 +114,7 @@ def draft(
     refs: ReferenceSet,
     target_dir: str,
     store_location: str,
+    block: Block,
     sliding_semantics: str = "causal",
     dtype: str = "float32",
     device: str = "cpu",
@@ -104,41 +122,37 @@ def draft(
     refresh: bool = False,
     replay_group: int = PROMPTS_PER_GROUP,
     dask_address: str | None = None,
-    block_size: int | None = None,
-    draft_sampling: Sampling | None = None,
-    seed: int = 0,
+    draft_sampling: DraftSampling | None = None,
+    confidence_threshold: float = 0.0,
 ):
     """Acceptance lengths per prompt, in decode order (drafted against the references, no target run);
+    block: the drafter's block as the input checks resolved it (dflash_core.blocks.resolve_block): drafts of
+    block.size slots (fewer than the drafter's own when one is chosen: one history series each);
     all_positions: also the acceptance length of a block at every position (dflash_core.replay);
-    block_size: the block size chosen (dflash_core.drafter_config.chosen_block_size, by the input checks): verify
-    blocks of this many tokens, fewer than the drafter's own; None: its own (one history series each).
     replay_group: prompts replayed together (see the module docstring); dask_address: draft each group on
     a worker of that Dask cluster (`target_dir` must be the same path on every worker). draft_sampling: drafts
-    sampled from the drafter's logits processed so (q) and accepted by rejection sampling against the target's
+    sampled from the drafter's logits processed as its q and accepted by rejection sampling against the target's
     probabilities, which `features` must hold (TARGET_PROBS); the acceptance coins of each reference follow from
-    `seed` and its id (dflash_core.sampled_drafts). None: greedy drafts."""
+    its seed and the reference's id (dflash_core.sampled_drafts). None: greedy drafts. confidence_threshold: a
+    drafter with a confidence head (DSpark) verifies only the drafts before the first it is less confident of (0:
+    every draft)."""
     store = Store(store_location)
     config = checkpoint.config
     sliding_semantics = config.sliding_semantics or sliding_semantics  # a config that fixes them (speculators) wins
-    if block_size is not None and not 2 <= block_size < config.block_size:
-        raise ValueError(f"block size {block_size} is not one chosen for a drafter of block size {config.block_size}: "
-                         "give chosen_block_size(requested, own) (None: its own block size)")
-    chosen, block_size = block_size, block_size or config.block_size
-    sampled = None if draft_sampling is None else {"q": draft_sampling.identity(), "seed": seed}
-    key = key_of({
-        "checkpoint": checkpoint.key, "features": features.key, "layer_ids": list(config.target_layer_ids),
-        "block_size": block_size, "sliding_semantics": sliding_semantics,
-        "mode": "all_positions" if all_positions else "decode",
-        "dtype": dtype, "device": torch.device(device).type, "replay": REPLAY_VERSION,
-        # only when not the default: the keys of entries drafted before it was a setting stay as they were
-        **({"replay_group": replay_group} if replay_group != PROMPTS_PER_GROUP else {}),
-        **({"sampled_drafts": sampled} if sampled else {}),  # only then: greedy drafts' keys stay as they were
-    })
+    if block.own != config.block_size:  # (the checks read the drafter's config before the fetch read it again)
+        raise ValueError(f"a block resolved for a drafter of block size {block.own}, not this one's "
+                         f"{config.block_size}: give resolve_block(requested, the fetched drafter's config)")
+    chosen, block_size = block.chosen, block.size
+    sampled = None if draft_sampling is None else draft_sampling.to_record()
+    key = drafts_key(checkpoint.key, features.key, config.target_layer_ids, block_size, sliding_semantics,
+                     all_positions, dtype, device, replay_group, draft_sampling, confidence_threshold)
     read_layers = (*config.target_layer_ids, *((TARGET_PROBS,) if sampled else ()))
     labels = [entry_label(Stage.FETCH, checkpoint.key), entry_label(Stage.REFERENCES, refs.key),
               features_label(features.key, read_layers, features.n)]
     groups = replay_groups(refs.n, replay_group)
-    models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device, block_size, draft_sampling, seed)
+    models = ReplayModels(checkpoint, target_dir, sliding_semantics, dtype, device, block_size, draft_sampling,
+                          confidence_threshold)
+    threshold = confidence_threshold or None
 
     def compute_on_cluster(entry: Path) -> dict:
         assert dask_address is not None  # chosen only with a cluster's address
@@ -146,9 +160,12 @@ def draft(
         per_prompt, shards = draft_on_cluster(dask_address, store, key, models, features, refs, groups, labels,
                                               all_positions=all_positions, refresh=refresh)
         write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
+        # a save with its own copies of the target's embedding and head is compared here too (the workers drafted)
+        differences = token_head_differences(*models.load()) if config.source_format == "deepspec" else None
         return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=block_size,
                             sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids),
-                            chosen_block_size=chosen, draft_sampling=sampled, shards=shards).to_record()
+                            chosen_block_size=chosen, draft_sampling=sampled, confidence_threshold=threshold,
+                            token_head=differences, shards=shards).to_record()
 
     def compute(entry: Path) -> dict:
         verify_checkpoint(store, checkpoint)
@@ -163,7 +180,8 @@ def draft(
         write_json_atomic(entry / DRAFTS_FILE, {"per_prompt": per_prompt})
         return DraftsRecord(checkpoint=checkpoint.key, features=features.key, block_size=block_size,
                             sliding_semantics=sliding_semantics, layer_ids=tuple(config.target_layer_ids),
-                            chosen_block_size=chosen, draft_sampling=sampled).to_record()
+                            chosen_block_size=chosen, draft_sampling=sampled, confidence_threshold=threshold,
+                            token_head=token_head_differences(drafter, embed, lm_head)).to_record()
 
     # on a cluster the workers compute: this process takes no heavy-stage slot
     outcome = get_or_compute(store, STAGE, key, compute_on_cluster if dask_address else heavy(compute),
@@ -172,10 +190,30 @@ def draft(
     if outcome.computed and dask_address:
         remove_draft_shards(store, key, groups)  # drafts.json holds them now
     drafts = Drafts(key=key, path=str(store.entry(STAGE, key)), block_size=record.block_size,
-                    verified_tokens=config.verified_tokens(record.block_size),
+                    verified_tokens=block.verified_tokens,
                     sliding_semantics=record.sliding_semantics, shards=record.shards,
-                    draft_sampling=record.draft_sampling)
+                    draft_sampling=record.draft_sampling, architecture=config.architecture,
+                    confidence_threshold=record.confidence_threshold or 0.0, token_head=record.token_head)
     return drafts if outcome.computed else cached(drafts)
+
+
+def drafts_key(checkpoint_key: str, features_key: str, layer_ids, block_size: int, sliding_semantics: str,
+               all_positions: bool, dtype: str, device: str, replay_group: int,
+               draft_sampling: DraftSampling | None, confidence_threshold: float = 0.0) -> str:
+    """The drafts entry's content key: what was drafted (block_size: the slots drafted, Block.size) over which
+    features, how, and the sampled drafts' one stored form (DraftSampling.to_record); tests/test_settings.py
+    pins it, so stores keep their entries."""
+    return key_of({
+        "checkpoint": checkpoint_key, "features": features_key, "layer_ids": list(layer_ids),
+        "block_size": block_size, "sliding_semantics": sliding_semantics,
+        "mode": "all_positions" if all_positions else "decode",
+        "dtype": dtype, "device": torch.device(device).type, "replay": REPLAY_VERSION,
+        # only when not the default: the keys of entries drafted before it was a setting stay as they were
+        **({"replay_group": replay_group} if replay_group != PROMPTS_PER_GROUP else {}),
+        # only with sampled drafts: greedy drafts' keys stay as they were
+        **({"sampled_drafts": draft_sampling.to_record()} if draft_sampling is not None else {}),
+        **({"confidence_threshold": confidence_threshold} if confidence_threshold else {}),
+    })
 
 
 @dataclass(frozen=True)
@@ -189,8 +227,8 @@ class ReplayModels:
     dtype: str
     device: str
     block_size: int
-    draft_sampling: Sampling | None = None
-    seed: int = 0  # of the acceptance coins, with draft_sampling
+    draft_sampling: DraftSampling | None = None
+    confidence_threshold: float = 0.0  # a drafter with a confidence head verifies fewer drafts (0: every one)
 
     def drafter(self, checkpoint_dir: Path | None = None) -> DFlashDrafter:
         """The drafter, from `checkpoint_dir` (a worker's own copy of the fetch entry), else from the
@@ -217,6 +255,12 @@ class ReplayModels:
         return ("token head", self.target_dir, self.dtype, self.device)
 
 
+def token_head_differences(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor) -> dict[str, str] | None:
+    """How the save's own copies of the target's embedding and head differ from the target's (None: they do not, or
+    it holds none; the replay warns of each as well)."""
+    return drafter.token_head_differences(embed, lm_head) or None
+
+
 def draft_group(models: ReplayModels, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor,
                 items: list[ReferenceItem], reader: FeatureReader, start: int, stop: int,
                 all_positions: bool) -> list[dict]:
@@ -226,12 +270,13 @@ def draft_group(models: ReplayModels, drafter: DFlashDrafter, embed: torch.Tenso
     # group's context keys/values; a group still fills replay's batches of 64 blocks
     group = range(start, stop)
     features = (f.to(embed.device) for f in reader.read_each(drafter.target_layer_ids, group))
-    sampled = None if models.draft_sampling is None else SampledDrafts(
-        models.draft_sampling, [reader.read_probabilities(n) for n in group],
-        [coin_seed(models.seed, items[n].id) for n in group])
+    drawn = models.draft_sampling
+    sampled = None if drawn is None else SampledDrafts(
+        drawn.q, [reader.read_probabilities(n) for n in group], [coin_seed(drawn.seed, items[n].id) for n in group])
     results = replay(drafter, embed, lm_head, [items[n].reference for n in group], features,
-                     all_positions=all_positions, block_size=models.block_size, sampled=sampled)
-    return per_prompt_items(items[start:stop], results)
+                     all_positions=all_positions, block_size=models.block_size, sampled=sampled,
+                     verify_threshold=models.confidence_threshold)
+    return per_prompt_items(items[start:stop], results, drafter.generation)
 
 
 # ---------------------------------------------------------------- on a Dask cluster (tasks/cluster.py)

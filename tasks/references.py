@@ -39,10 +39,11 @@ from dflash_core.prompts import (
     turn_prompt_ids,
 )
 from dflash_core.published.benchmarks import benchmark_names, read_data_option
-from dflash_core.published.prompt_set import BenchmarkPromptSet, benchmark_prompts
+from dflash_core.published.prompt_set import BenchmarkPromptSet
 from dflash_core.replay import Reference
 from dflash_core.sampling import GREEDY, Sampling, sample_seed
 from dflash_core.target import read_target_config
+from dflash_eval.services.benchmark_data import benchmark_prompts
 from dflash_eval.services.reference.backends import (
     TOKENIZER_LOCK,
     BackendError,

@@ -6,12 +6,12 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NONE
 
+from dflash_core.generations import Replayed
 from dflash_core.metrics import (
     ImpossibleTau,
     PromptScore,
     all_positions_tau,
     benchmark_summary,
-    selector_summary,
     summarize,
     teacher_forced_accuracy,
 )
@@ -40,10 +40,27 @@ class Scores:
 
 
 def prompt_score(item, steps: dict) -> PromptScore:
-    """A reference's decode steps as drafts.json holds them (a per_prompt item, or its `unary`), to score."""
+    """A reference's decode steps as drafts.json holds them (a per_prompt item, or its base walk's), to score."""
     return PromptScore(item.id, item.category, steps["acceptance_lengths"], steps["starts"],
                        len(item.reference.token_ids), item.prompt,
                        ExpectedSteps(**steps["expected"]) if "expected" in steps else None)
+
+
+def verification(prompts: list[PromptScore], per_prompt: list[dict], verified_tokens: int) -> dict:
+    """Under a confidence threshold, what the target verified: the tokens per step (the drafts a step verified, and
+    the anchor), and the tokens emitted per token verified (DeepSpec's verify_rate: the acceptance lengths' sum over
+    the tokens verified), pooled over the references; with sampled drafts, expectations over the coins."""
+    emitted = verified = steps = 0.0
+    for p, d in zip(prompts, per_prompt):
+        if p.expected is not None:  # sampled drafts: in expectation over the coins
+            emitted, steps = emitted + p.expected.tokens, steps + p.expected.steps
+            verified += p.expected.verified if p.expected.verified is not None else p.expected.steps * verified_tokens
+        else:
+            emitted, steps = emitted + sum(p.acceptance_lengths), steps + len(p.acceptance_lengths)
+            verified += (sum(n + 1 for n in d["verified_drafts"]) if "verified_drafts" in d
+                         else len(p.acceptance_lengths) * verified_tokens)
+    return {"verified_per_step": verified / steps if steps else None,
+            "tokens_per_verified_token": emitted / verified if verified else None}
 
 
 @task(name="scores", cache_policy=NONE, persist_result=False)
@@ -61,11 +78,15 @@ def score(drafts: Drafts, refs: ReferenceSet, store_location: str, refresh: bool
         if refs.benchmarks:  # published benchmarks: tau per benchmark and per group, as z-lab's tables give them
             summary["by_benchmark"] = benchmark_summary(
                 prompts, {use["name"]: use["group"] for use in refs.benchmarks["benchmarks"]})
-        if all("unary" in d for d in per_prompt):  # a DFlash2 drafter: its selector against its unary head alone
-            scored = [(p, prompt_score(item, d["unary"]), d["selector_positions"])
-                      for p, item, d in zip(prompts, items, per_prompt) if p.acceptance_lengths]
-            selected, unary, positions = (list(column) for column in zip(*scored))
-            summary["selector"] = selector_summary(selected, unary, positions)
+        generation = drafts.generation
+        base, counts = generation.BASE_WALK, generation.COUNTS_NAME
+        replayed = [Replayed(p, prompt_score(item, d[base]) if base and base in d else None,
+                             d.get(counts) if counts else None, d.get("calibration"))
+                    for p, item, d in zip(prompts, items, per_prompt) if p.acceptance_lengths]
+        for found in generation.summaries(replayed):  # what the generation adds (DFlash2's selector, DSpark's heads)
+            summary[found.KEY] = found.to_json()
+        if any("verified_drafts" in d for d in per_prompt) or drafts.confidence_threshold:
+            summary["verification"] = verification(prompts, per_prompt, drafts.verified_tokens)
         if all(d.get("all_positions") is not None for d in per_prompt):
             summary["all_positions_tau"] = all_positions_tau([d["all_positions"] for d in per_prompt])
         if all(d.get("position_hits") is not None for d in per_prompt):  # all-positions drafts since they kept it

@@ -49,3 +49,34 @@ def stored_scores(store: Path, results: dict) -> dict:
     from dflash_eval.storage.schema import SCORES_FILE, Stage
 
     return read_json(Store(store).entry(Stage.SCORES, results["keys"]["scores"]) / SCORES_FILE)
+
+
+# a greedy evaluation's results whose values nothing reads (results_of fills what a test leaves out with them):
+# scores.json's part (its keys sorted, as it holds them), then what was evaluated
+UNREAD_SCORES = {
+    "block_size": 8, "clipped_last_steps": 0, "clipping_note": "", "histogram": {}, "lookahead": False, "n_prompts": 3,
+    "n_scored_prompts": 3, "n_steps": 10, "n_tokens": 20, "per_prompt": [], "position_acceptance": [],
+    "position_acceptance_ci95": [], "position_counts": {"reached": [], "accepted": []}, "projected_speedup": {},
+    "sliding_semantics": "causal", "speedup_note": "", "tau_by_category": {}, "tau_macro": 2.0,
+    "tau_macro_ci95": [1.9, 2.1], "tau_pooled": 2.0, "tau_pooled_ci95": [1.9, 2.1], "unverified_references": [],
+}
+UNREAD_EVALUATION = {
+    "drafter": {"source": "runs/x/step_100", "key": None, "step": 100}, "target": "target", "prompts": "prompts.jsonl",
+    "reference": "local", "lookahead": False, "thinking": False, "max_new_tokens": 16,
+    "served": {"label": "greedy", "references": "greedy", "temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0,
+               "samples": 1, "seed": 0, "block_size": None, "draft_sample_method": "greedy", "draft_truncation": True},
+    "layer_ids": [1], "dtype": "float32", "dtype_requested": "float32", "dtype_note": None,
+    "attn_implementation": "sdpa", "device": "cpu", "store": "store", "stages": {}, "keys": {},
+}
+UNREAD_RESULTS = {**UNREAD_SCORES, **UNREAD_EVALUATION}
+
+
+def results_of(**given):
+    """A results record (reporting.results.Results) holding `given` (its JSON's keys; `drafter` and `served` in part),
+    the rest a greedy evaluation's values that nothing reads (UNREAD_RESULTS)."""
+    from dflash_eval.reporting.results import Results
+
+    merged = {**UNREAD_RESULTS, **given}
+    for name in ("drafter", "served"):
+        merged[name] = {**UNREAD_RESULTS[name], **given.get(name, {})}
+    return Results.from_json(merged)

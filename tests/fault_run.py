@@ -43,7 +43,7 @@ FeatureStore.write = counted("array", FeatureStore.write, lambda store, layer, s
 shutil.copyfile = counted("copy", shutil.copyfile, lambda source, destination, *_: destination)
 
 if __name__ == "__main__":
-    from dflash_eval.flows.cli import main
+    from dflash_eval.cli import main
 
     sys.argv = ["dflash-eval", *sys.argv[3:]]
     main()

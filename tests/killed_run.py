@@ -25,7 +25,7 @@ def write_then_maybe_die(self, *args, **kwargs):
 FeatureStore.write = write_then_maybe_die
 
 if __name__ == "__main__":
-    from dflash_eval.flows.cli import main
+    from dflash_eval.cli import main
 
     sys.argv = ["dflash-eval", *sys.argv[2:]]
     main()

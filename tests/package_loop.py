@@ -49,8 +49,8 @@ def sampled_taus(target, drafter, golden: dict, setting: dict, samples: int) -> 
         "greedy drafts": macro_with_error(per_prompt([float(np.mean(r.acceptance_lengths)) if r.acceptance_lengths
                                                       else None for r in greedy_drafts])),
     }
-    if drafter.candidate_selector is not None:
-        taus["unary head"] = macro_with_error(per_prompt([r.unary.expected.tau if r.acceptance_lengths else None
+    if drafter.generation.BASE_WALK is not None:
+        taus["unary head"] = macro_with_error(per_prompt([r.base.expected.tau if r.acceptance_lengths else None
                                                           for r in sampled]))
     print(f"{sampling.describe()}: " + ", ".join(f"{name} {tau:.4f} +- {error:.4f}" for name, (tau, error) in taus.items()))
     return taus

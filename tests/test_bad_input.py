@@ -9,7 +9,7 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 
 RUN = ["run", "--target", "t", "--drafter", "d", "--prompts", "p"]
 
@@ -33,6 +33,9 @@ def one_line(args, **env) -> str:
     (["relay", "serve", "/tmp", "--max-rate-mb", "-1"], "'--max-rate-mb': Input should be greater"),
     (["serve-reference", "--target", "t", "--port", "-1"], "'--port': Input should be greater"),
     (["tiny", "build", "--out", "/proc/tinyx"], "--out: /proc/tinyx cannot be created: /proc is not writable"),
+    (["tiny", "build", "--out", "/tmp/tinyx", "--drafter-architecture", "Gemma4DSparkModel"],
+     "--drafter-architecture 'Gemma4DSparkModel': the tiny build trains DFlashDraftModel, DFlash2DraftModel, "
+     "Qwen3DSparkModel"),
     ([*RUN, "--concurrency", "0"], "error: --concurrency must be at least 1, got 0"),
     ([*RUN, "--concurrency", "-1"], "error: --concurrency must be at least 1, got -1"),
     ([*RUN, "--checkpoint-wait", "-1"], "error: --checkpoint-wait must be at least 0, got -1.0"),
@@ -87,7 +90,7 @@ def test_a_prefect_api_url_where_no_server_answers(monkeypatch):
     import typer
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from dflash_eval.flows.cli.common import start_local_server
+    from dflash_eval.cli.common import start_local_server
 
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))

@@ -19,10 +19,10 @@ from dflash_core.published.benchmarks import (
     TEXT,
     TURNS,
     BenchmarkError,
-    load_rows,
     read_data_option,
 )
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
+from dflash_eval.services.benchmark_data import load_rows
 from tests.published_rows import rows
 
 # Values that are no value of each kind, as JSON gives them (a description the message says, the value).

@@ -102,7 +102,7 @@ def test_weights_refused_in_the_flow_are_said_once_without_a_stray_traceback(tin
     save_file({k: v.contiguous() for k, v in weights.items()}, drafter / "model.safetensors",
               metadata={"format": "pt"})
     env = {**os.environ, "PREFECT_API_URL": prefect_api_url, "PREFECT_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", "run", "--target", str(tiny.target_dir),
+    done = subprocess.run([sys.executable, "-m", "dflash_eval.cli", "run", "--target", str(tiny.target_dir),
                            "--drafter", str(drafter), "--prompts", str(tiny.prompts), "--max-new-tokens", "8",
                            "--store", str(tmp_path / "store")], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=300)

@@ -191,8 +191,8 @@ def test_a_scheduler_that_does_not_answer_gets_one_message_and_nothing_runs(tiny
                                                                            prefect_api_url, monkeypatch):
     from typer.testing import CliRunner
 
+    from dflash_eval.cli import app
     from dflash_eval.flows.checks import InputError
-    from dflash_eval.flows.cli import app
     from dflash_eval.tasks import cluster as cluster_tasks
 
     monkeypatch.setattr(cluster_tasks, "CONNECT_TIMEOUT_SECONDS", 1.0)  # nothing listens: no need to wait long

@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_core.metrics import paired_difference_interval
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.storage import Store, key_of
 from dflash_eval.storage.schema import BaselineRecord, Stage
 from tests.test_report import Page, fabricate
@@ -156,27 +156,28 @@ def test_the_paired_difference_against_the_baseline_the_previous_step_and_the_be
     # the run's results (--out), as the flow completes them once the history is read (publish): step_300 with
     # --baseline step_200, so step_200 is the baseline, the previous step and the best other checkpoint
     from dflash_eval.reporting.artifacts import add_history, summary_markdown
+    from tests.evaluations import results_of
 
     found = find_group(history(store), keys["300"])
-    results = {"drafter": {"source": "/runs/x/step_300", "step": 300}, "tau_macro": tau["300"],
-               "tau_macro_ci95": [tau["300"] - 0.3, tau["300"] + 0.3], "tau_pooled": 1.0, "block_size": 8,
-               "n_scored_prompts": N_REFERENCES, "stages": {"scores": "ran"}, "served": {"label": "greedy"},
-               "baseline": {"source": "/runs/x/step_200", "key": key_of({"c": "/runs/x/step_200"}), "step": 200}}
+    results = results_of(drafter={"source": "/runs/x/step_300", "step": 300}, tau_macro=tau["300"],
+                         tau_macro_ci95=[tau["300"] - 0.3, tau["300"] + 0.3], tau_pooled=1.0, block_size=8,
+                         n_scored_prompts=N_REFERENCES, stages={"scores": "ran"}, served={"label": "greedy"},
+                         baseline={"source": "/runs/x/step_200", "key": key_of({"c": "/runs/x/step_200"}), "step": 200})
     add_history(results, found, None)
-    assert json.loads(json.dumps(results))["comparisons"] == [  # JSON as it is
+    assert json.loads(json.dumps(results.to_json()))["comparisons"] == [  # JSON as it is
         entry("previous step", "200", "x/step_200", 200), entry("best", "200", "x/step_200", 200),
         entry("baseline", "200", "x/step_200", 200), entry("baseline", "published", "z-lab/Target-8B-DFlash-b8", None)]
 
     # the command line after the run: one line per checkpoint, named by every role it holds
-    from dflash_eval.flows.cli.evaluation import _print_results
+    from dflash_eval.cli.evaluation import _print_results
 
     monkeypatch.setenv("COLUMNS", "200")  # rich's width where stdout is no terminal
-    printed = _printed(_print_results, {**results, "stages": {}, "keys": {}, "tau_macro_ci95": (1.0, 2.0),
-                                        "tau_pooled": 1.0, "n_steps": 10, "clipped_last_steps": 0,
-                                        "sliding_semantics": "causal",
-                                        "served": {"label": "greedy", "draft_sample_method": "greedy"},
-                                        "baseline": {**results["baseline"], "tau_macro": tau["200"],
-                                                     "tau_macro_ci95": [1.0, 2.0]}})
+    printed = _printed(_print_results, results_of(**{**results, "stages": {}, "keys": {}, "tau_macro_ci95": (1.0, 2.0),
+                                                     "tau_pooled": 1.0, "n_steps": 10, "clipped_last_steps": 0,
+                                                     "sliding_semantics": "causal",
+                                                     "served": {"label": "greedy", "draft_sample_method": "greedy"},
+                                                     "baseline": {**results["baseline"], "tau_macro": tau["200"],
+                                                                  "tau_macro_ci95": [1.0, 2.0]}}))
     assert ("paired differences: this checkpoint's tau macro minus another's, with the 95% CI of the per-reference "
             "difference") in printed
     assert (f"  previous step, best other, baseline: x/step_200 (step 200, tau macro {tau['200']:.3f}): "
@@ -268,21 +269,22 @@ def test_history_shows_the_trainers_own_number_and_says_what_the_alarm_checked(t
 
     # the Prefect summary and the command line after a run of step 400: the same line
     from dflash_eval.reporting.artifacts import add_history, summary_markdown
+    from tests.evaluations import results_of
 
     found = find_group(history(store), top.scores)
-    results = {"drafter": {"source": top.source, "step": 400}, "tau_macro": top.tau_macro,
-               "tau_macro_ci95": list(top.tau_macro_ci95), "tau_pooled": 1.0, "block_size": 8, "n_scored_prompts": 3,
-               "stages": {}, "keys": {}, "served": {"label": "greedy", "draft_sample_method": "greedy"},
-               "n_steps": 10, "clipped_last_steps": 0, "sliding_semantics": "causal",
-               "training": {"run": str(run), "log": str(run), "problems": [], "flags": [], "tensorboard": None,
-                            "at_step": {**side.point(top).as_dict(), "implied": implied, "implied_from": "x"}}}
+    results = results_of(drafter={"source": top.source, "step": 400}, tau_macro=top.tau_macro,
+                         tau_macro_ci95=list(top.tau_macro_ci95), tau_pooled=1.0, block_size=8, n_scored_prompts=3,
+                         stages={}, keys={}, served={"label": "greedy", "draft_sample_method": "greedy"},
+                         n_steps=10, clipped_last_steps=0, sliding_semantics="causal",
+                         training={"run": str(run), "log": str(run), "problems": [], "flags": [], "tensorboard": None,
+                                   "at_step": {**side.point(top).as_dict(), "implied": implied, "implied_from": "x"}})
     add_history(results, found, side)
     assert results["training"]["trainer_logged"] == {"tag": "eval/simulated_acc_len", "value": logged[400]}
     assert results["training"]["no_flag"] == line
     summary = summary_markdown(results, found, None)
     assert line in summary and "No alarm" not in summary
 
-    from dflash_eval.flows.cli.evaluation import _print_results
+    from dflash_eval.cli.evaluation import _print_results
 
     monkeypatch.setenv("COLUMNS", "200")
     printed = _printed(_print_results, results)

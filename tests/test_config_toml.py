@@ -14,8 +14,8 @@ import pytest
 from typer.main import get_command
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
-from dflash_eval.flows.cli.options import config_value
+from dflash_eval.cli import app
+from dflash_eval.cli.options import config_value
 from dflash_eval.flows.settings import SETTINGS
 
 # One value of each TOML type, as a file writes it and as tomllib reads it.
@@ -26,6 +26,7 @@ TOML = {
     "string": ('"x"', "x"),
     "array of strings": ('["x"]', ["x"]),
     "array of integers": ("[2, 4]", [2, 4]),
+    "array of numbers": ("[0, 0.5]", [0, 0.5]),
     "table": ("{ a = 1 }", {"a": 1}),
     "date-time": ("1979-05-27T07:32:00Z", datetime.datetime(1979, 5, 27, 7, 32, tzinfo=datetime.UTC)),
 }
@@ -48,7 +49,9 @@ def _takes(option) -> set[str]:
     else:
         annotation = option.type_descriptor.annotation
     if typing.get_origin(annotation) is list:
-        return {"string", "array of integers" if typing.get_args(annotation) == (int,) else "array of strings"}
+        items = typing.get_args(annotation)
+        return {"string", *{(int,): ["array of integers"], (float,): ["array of integers", "array of numbers"]}.get(
+            items, ["array of strings"])}
     if annotation is bool:
         return {"boolean"}
     if annotation is int:

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from dflash_core.drafter import load_drafter
-from dflash_core.drafter_config import DFLASH_FIELDS, READ_FIELDS, SWITCHES, DrafterError, read_drafter_config
+from dflash_core.drafter_config import READ_FIELDS, SWITCHES, DrafterError, dflash_fields, read_drafter_config
 from dflash_core.speculators_format import TRANSLATED
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from tests.drafters import drafter_config
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore")]
@@ -45,7 +45,7 @@ BAD = {
     "switch off at false": [("zero", 0), ("string", "false"), ("true", True)],
 }
 
-# Published config fields: where each lives -> what it must be. DFLASH_FIELDS live in dflash_config (read there
+# Published config fields: where each lives -> what it must be. dflash_fields() live in dflash_config (read there
 # first); "rope_parameters.factor" and its like inside that object; "target_layer_ids[]", the list's elements.
 PUBLISHED = {
     "hidden_size": "integer >= 1", "num_hidden_layers": "integer >= 1", "num_attention_heads": "integer >= 1",
@@ -71,7 +71,11 @@ DFLASH2 = {f"dflash_config.{key}": "integer >= 1"
 # Fields that hold no number, each covered elsewhere: read as strings, lists or objects (test_drafter_config.py,
 # test_dflash2.py; the objects' numbers above), or refused whenever set (projector_type, quantization_config).
 NOT_NUMBERS = {"architectures", "hidden_act", "layer_types", "rope_scaling", "rope_parameters", "dflash_config",
-               "mask_token", "target_layer_ids", "projector_type", "quantization_config"}
+               "mask_token", "target_layer_ids", "projector_type", "quantization_config",
+               "markov_head_type"}  # (a name: test_deepspec_golden.py)
+# DSpark's own fields, as DeepSpec's saves and speculators' DSpark saves give them (at the top level)
+DSPARK = {"markov_rank": "integer >= 0", "enable_confidence_head": "boolean", "confidence_head_with_markov": "boolean"}
+DSPARK_SAVES = {"deepspec": GOLDEN / "deepspec" / "dspark", "speculators": GOLDEN / "speculators_dspark" / "dspark" / "0"}
 
 # A speculators config: its own top-level fields -> what each must be (the Qwen3 fields under
 # transformer_layer_config are the published ones: PUBLISHED's top-level rows are run there too).
@@ -197,11 +201,20 @@ def test_a_speculators_field_of_the_wrong_shape_is_refused_naming_it(tmp_path, w
     assert says in refusal(tmp_path, raw)
 
 
+@pytest.mark.parametrize("save", list(DSPARK_SAVES))
+@pytest.mark.parametrize("where,value,kind", cases(DSPARK))
+def test_a_dspark_config_value_of_the_wrong_class_is_refused_naming_the_field(tmp_path, save, where, value, kind):
+    raw = json.loads((DSPARK_SAVES[save] / "config.json").read_text())
+    put(raw, where, value)
+    message = refusal(tmp_path, raw)
+    assert what_to_give(where, kind) in message, message
+
+
 def test_every_field_the_loaders_read_has_a_row():
     published = {key.removeprefix("dflash_config.").split(".")[0].removesuffix("[]")
-                 for key in {**PUBLISHED, **DFLASH2}}
+                 for key in {**PUBLISHED, **DFLASH2, **DSPARK}}
     assert not set(READ_FIELDS) - published - NOT_NUMBERS, "published fields without a row"
-    assert not set(DFLASH_FIELDS) - published - NOT_NUMBERS, "dflash_config fields without a row"
+    assert not set(dflash_fields()) - published - NOT_NUMBERS, "dflash_config fields without a row"
     assert not set(SWITCHES) - published - NOT_NUMBERS, "switches without a row"
     speculators = {key.split(".")[0].removesuffix("[]") for key in SPECULATORS_NUMBERS} | set(SPECULATORS_DFLASH2)
     assert not set(TRANSLATED) - speculators - NOT_SPECULATORS_NUMBERS, "speculators fields without a row"

@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 from dflash_core.replay import Reference
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.reporting.training_log import read_training_log
 from dflash_eval.reporting.training_side import holds_training_log
 from dflash_eval.tiny.build import TinyBuildSettings, build_tiny, tiny_drafter_config
@@ -31,7 +31,7 @@ SMALL = TinyBuildSettings(target_steps=5, corpus_bytes=200_000, train_prompts=16
 @pytest.fixture(scope="module")
 def small_build(tmp_path_factory):
     """A small tiny build with `tiny build`'s progress, stdout not a terminal (a log file): (run, what it printed)."""
-    from dflash_eval.flows.cli.tiny import BuildProgress
+    from dflash_eval.cli.tiny import BuildProgress
 
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed), BuildProgress() as progress:
@@ -56,7 +56,7 @@ def test_off_a_terminal_the_build_prints_progress_lines_while_it_runs(small_buil
 def test_a_progress_line_shows_at_most_every_few_seconds_with_the_time_left(capsys):
     import time
 
-    from dflash_eval.flows.cli.tiny import BuildProgress
+    from dflash_eval.cli.tiny import BuildProgress
 
     progress = BuildProgress(every_seconds=0.2)
     assert not progress.terminal  # pytest's captured stdout
@@ -117,7 +117,7 @@ def test_the_trainer_log_changes_no_weight_and_each_save_is_handed_on_with_the_l
 
 def test_a_first_demo_evaluates_each_save_while_the_drafter_trains_and_says_where_to_look_next(
         tmp_path, monkeypatch, prefect_api_url):
-    from dflash_eval.flows.cli import evaluation
+    from dflash_eval.cli import evaluation
 
     settings = replace(SMALL, drafter_training=DrafterTrainingSettings(steps=60, save_every=30))
     monkeypatch.setattr(evaluation, "demo_build_settings", lambda: settings)

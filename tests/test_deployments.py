@@ -76,7 +76,7 @@ def served(prefect_server, setup):
                "PREFECT_LOGGING_LEVEL": "INFO"}
         log = open(setup["root"] / "serve.log", "w")
         serve = subprocess.Popen(
-            [sys.executable, "-m", "dflash_eval.flows.cli", "serve", "--target", str(setup["tiny"].target_dir),
+            [sys.executable, "-m", "dflash_eval.cli", "serve", "--target", str(setup["tiny"].target_dir),
              "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
              "--relay", relay.url, "--watch-interval", "3600", "--settle-seconds", "3", "--checkpoint-wait", "240",
              "--report-port", "0"],
@@ -148,7 +148,7 @@ def test_deployments_are_served(prefect_server, served):
 def watch(prefect_server, relay_url, setup, out: Path) -> subprocess.Popen:
     """One look at the relay by `dflash-eval watch`, in its own process, as a scheduled watcher runs."""
     return subprocess.Popen(
-        [sys.executable, "-m", "dflash_eval.flows.cli", "watch", "--relay", relay_url, "--target", str(setup["tiny"].target_dir),
+        [sys.executable, "-m", "dflash_eval.cli", "watch", "--relay", relay_url, "--target", str(setup["tiny"].target_dir),
          "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
          "--out", str(out)],
         env={**os.environ, "PREFECT_API_URL": prefect_server["url"]}, stdout=subprocess.PIPE,
@@ -240,7 +240,7 @@ def test_notify_event_starts_an_evaluation(prefect_server, served, setup):
     checkpoint = setup["tiny"].drafter_steps[2]  # step_300, a folder on this machine
     with client_of(prefect_server) as client:
         before = {r.id for r in evaluation_runs(client)}
-    result = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", "notify", "--checkpoint", str(checkpoint),
+    result = subprocess.run([sys.executable, "-m", "dflash_eval.cli", "notify", "--checkpoint", str(checkpoint),
                              "--step", "300"], env={**os.environ, "PREFECT_API_URL": prefect_server["url"]},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "sent dflash.checkpoint.saved" in result.stdout, result.stdout + result.stderr
@@ -268,7 +268,7 @@ source, destination, url = sys.argv[1:4]
 shutil.copytree(source, destination, copy_function=shutil.copyfile)  # the trainer's save (new files) ...
 saved = time.monotonic()
 called = time.monotonic() - saved  # ... and its call of `dflash-eval notify` right after
-notify = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", "notify", "--checkpoint", url, "--step", "400"],
+notify = subprocess.run([sys.executable, "-m", "dflash_eval.cli", "notify", "--checkpoint", url, "--step", "400"],
                         capture_output=True, text=True)
 print(f"notified {called:.2f} s after saving: {notify.stdout.strip()} {notify.stderr.strip()}")
 """
@@ -305,7 +305,7 @@ def test_a_checkpoint_notified_as_soon_as_it_is_saved_is_waited_for_and_evaluate
 
 def test_notify_without_a_server_returns_at_once_with_a_warning(setup):
     port = free_port()  # nothing listens there
-    for command in ([sys.executable, "-m", "dflash_eval.flows.cli", "notify"],  # with Prefect
+    for command in ([sys.executable, "-m", "dflash_eval.cli", "notify"],  # with Prefect
                     [sys.executable, "-S", "flows/notify.py"]):  # no site-packages: no Prefect, stdlib HTTP
         started = time.monotonic()
         result = subprocess.run([*command, "--checkpoint", "http://relay:8700/run1/step_9", "--step", "9"],

@@ -17,10 +17,11 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3ForCausalLM
 
 from dflash_core.decoding import greedy_decode, speculative_decode
-from dflash_core.drafter import CODEBOOKS, DrafterError, DynamicConv, load_drafter, save_drafter
+from dflash_core.drafter import DrafterError, load_drafter, save_drafter
 from dflash_core.drafter_config import DrafterConfig, DrafterConfigWarning
 from dflash_core.features import extract_features
-from dflash_core.metrics import SELECTOR_COUNTS
+from dflash_core.generations.dflash import DFlash
+from dflash_core.generations.dflash2 import DFlash2, DynamicConv, shapes_of
 from dflash_core.replay import BlockScorer, Reference, replay
 from dflash_core.target import Target, load_target, read_target_config
 from tests.drafters import drafter_config, random_drafter
@@ -62,14 +63,15 @@ def references_of(target, prompt_list, max_new_tokens=40) -> list[Reference]:
 def test_the_four_fields_are_read_from_dflash_config_first_then_the_top_level():
     raw = dflash2_config()
     cfg = DrafterConfig.from_dict(raw)
-    assert (cfg.architecture, cfg.has_selector) == ("DFlash2DraftModel", True)
-    assert (cfg.conv_kernel_size, cfg.conv_group_size, cfg.selector_rank, cfg.selector_top_k) == (3, 8, 6, 5)
+    assert (cfg.architecture, cfg.generation.NAME) == ("DFlash2DraftModel", "DFlash2")
+    shapes = shapes_of(cfg)
+    assert (shapes.conv_kernel_size, shapes.conv_group_size, shapes.selector_rank, shapes.selector_top_k) == (3, 8, 6, 5)
     top = dflash2_config(selector_top_k=7)  # at the top level (as some exports write it) and in dflash_config
     with pytest.warns(DrafterConfigWarning, match="selector_top_k = 5 and top-level selector_top_k = 7 differ"):
-        assert DrafterConfig.from_dict(top).selector_top_k == 5
+        assert shapes_of(DrafterConfig.from_dict(top)).selector_top_k == 5
     del top["dflash_config"]["selector_top_k"]
-    assert DrafterConfig.from_dict(top).selector_top_k == 7
-    assert not DrafterConfig.from_dict(drafter_config()).has_selector
+    assert shapes_of(DrafterConfig.from_dict(top)).selector_top_k == 7
+    assert DrafterConfig.from_dict(drafter_config()).generation.NAME == "DFlash"
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -90,7 +92,7 @@ def test_codebooks_load_bare_as_published_and_with_weight_as_trainers_save_them(
     drafter = random_drafter(dflash2_config(), seed=3)
     save_drafter(drafter, tmp_path / "bare")
     names = load_file(tmp_path / "bare" / "model.safetensors").keys()
-    assert set(CODEBOOKS.values()) <= names and not set(CODEBOOKS) & names  # the published contract: bare tensors
+    assert set(DFlash2.KEY_RENAMES.values()) <= names and not set(DFlash2.KEY_RENAMES) & names  # the published contract: bare tensors
     assert {"layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight",
             "candidate_selector.hidden_projection.weight"} <= names
 
@@ -98,7 +100,7 @@ def test_codebooks_load_bare_as_published_and_with_weight_as_trainers_save_them(
     embedding.mkdir()
     (embedding / "config.json").write_text((tmp_path / "bare" / "config.json").read_text())
     weights = load_file(tmp_path / "bare" / "model.safetensors")
-    save_file({next((e for e, b in CODEBOOKS.items() if b == k), k): v for k, v in weights.items()},
+    save_file({next((e for e, b in DFlash2.KEY_RENAMES.items() if b == k), k): v for k, v in weights.items()},
               embedding / "model.safetensors")
     for folder in ("bare", "embedding"):
         loaded = load_drafter(tmp_path / folder)
@@ -180,14 +182,15 @@ def test_replay_equals_the_online_loop_step_by_step(qwen3_target, semantics):
 
 
 def test_the_unary_replay_is_the_same_drafter_with_its_selector_removed(qwen3_target):
-    """ReplayResult.unary: the steps the head's argmax alone would take as the drafts (the convolutions kept)."""
+    """ReplayResult.base: the steps the head's argmax alone would take as the drafts (the convolutions kept)."""
     drafter = random_drafter(dflash2_config(), seed=5, scale=3.0)
     refs, features, replayed = assert_replay_equals_online(qwen3_target, drafter, prompts(seed=1))
-    drafter.candidate_selector = None
+    del drafter.candidate_selector
+    drafter.generation = DFlash()  # the backbone alone drafts: its argmax
     alone = replay(drafter, qwen3_target.embed_weight, qwen3_target.head_weight, refs, features)
     for r, a in zip(replayed, alone):
-        assert (r.unary.starts, r.unary.acceptance_lengths) == (a.starts, a.acceptance_lengths)
-        assert r.unary.unary is None and a.unary is None
+        assert (r.base.starts, r.base.acceptance_lengths) == (a.starts, a.acceptance_lengths)
+        assert r.base.base is None and a.base is None
     assert any(r.acceptance_lengths != a.acceptance_lengths for r, a in zip(replayed, alone)), \
         "the selector never changed a step: the comparison proves nothing"
 
@@ -202,10 +205,11 @@ def test_selector_counts_equal_a_count_over_the_steps_taken(qwen3_target):
     features = extract_features(qwen3_target, [r.token_ids for r in refs], drafter.target_layer_ids)
     replayed = replay(drafter, qwen3_target.embed_weight, qwen3_target.head_weight, refs, features)
     scorer = BlockScorer(drafter, qwen3_target.embed_weight, qwen3_target.head_weight, refs, features)
-    B, K = drafter.block_size, drafter.cfg.selector_top_k
-    totals = [0] * len(SELECTOR_COUNTS)
+    B, K = drafter.block_size, shapes_of(drafter.cfg).selector_top_k
+    counted = DFlash2.COUNTS
+    totals = [0] * len(counted)
     for s, (ref, result) in enumerate(zip(refs, replayed)):
-        expected = [[0] * len(SELECTOR_COUNTS) for _ in range(B - 1)]
+        expected = [[0] * len(counted) for _ in range(B - 1)]
         for start in result.starts:
             tokens = ref.token_ids
             (walk,) = scorer.draft_tokens([(s, start)])
@@ -217,7 +221,7 @@ def test_selector_counts_equal_a_count_over_the_steps_taken(qwen3_target):
                     1, walk[k - 1] == truth, int(logits.argmax()) == truth, truth in logits.topk(K).indices.tolist()])]
                 if walk[k - 1] != truth:
                     break
-        assert result.selector_positions == expected
+        assert result.position_counts == expected
         totals = [t + sum(row[c] for row in expected) for c, t in enumerate(totals)]
     reached, selector, argmax, in_top_k = totals
     assert reached > selector > 0 and reached > argmax > 0 and in_top_k > selector and in_top_k > argmax
@@ -247,7 +251,7 @@ def test_a_trained_selector_drafts_what_the_online_loop_drafts_and_beats_its_hea
         online = speculative_decode(target, drafter, p, 48, eos)
         assert (r.starts, r.acceptance_lengths) == (online.starts, online.acceptance_lengths)
     assert max(a for r in replayed for a in r.acceptance_lengths) == drafter.block_size
-    selected, alone = tau_macro(replayed), tau_macro([r.unary for r in replayed])
+    selected, alone = tau_macro(replayed), tau_macro([r.base for r in replayed])
     assert selected > 3.0 and selected > alone, (selected, alone)
 
 
@@ -264,12 +268,12 @@ def test_the_pipeline_reports_the_selector_beside_its_unary_head(dflash2_evaluat
                       extract_features(target, [r.token_ids for r in refs], drafter.target_layer_ids))
     assert [p["acceptance_lengths"] for p in results["per_prompt"]] == [r.acceptance_lengths for r in replayed]
     selector = results["selector"]
-    assert selector["unary_tau_macro"] == pytest.approx(tau_macro([r.unary for r in replayed]))
+    assert selector["unary_tau_macro"] == pytest.approx(tau_macro([r.base for r in replayed]))
     assert selector["lift"] == pytest.approx(results["tau_macro"] - selector["unary_tau_macro"])
     low, high = selector["lift_ci95"]
     assert low <= selector["lift"] <= high
     counts = selector["position_counts"]
-    assert counts["reached"] == [sum(r.selector_positions[k][0] for r in replayed) for k in range(drafter.block_size - 1)]
+    assert counts["reached"] == [sum(r.position_counts[k][0] for r in replayed) for k in range(drafter.block_size - 1)]
     for k, reached in enumerate(counts["reached"]):
         # the steps' own counts, less the positions a reference ends at (left out here, compared there)
         assert reached <= results["position_counts"]["reached"][k]
@@ -296,7 +300,7 @@ def test_a_specforge_save_of_a_dflash2_drafter_scores_as_its_folder_directly_and
     trained_step = tiny_dflash2.drafter_steps[-1]
     wrapper = nn.Module()
     wrapper.draft_model = load_drafter(trained_step, dtype=torch.bfloat16)
-    embedding_names = {bare: name for name, bare in CODEBOOKS.items()}
+    embedding_names = {bare: name for name, bare in DFlash2.KEY_RENAMES.items()}
     state = {embedding_names.get(name, name): tensor
              for name, tensor in DFlashTrainStrategy(wrapper).checkpoint_state_filter(wrapper.state_dict()).items()}
     assert "candidate_selector.successor_codebook.weight" in state

@@ -111,7 +111,7 @@ def test_diagnostics_of_a_new_checkpoint_reuse_the_features(diagnosed):
 def test_history_rises_with_training_and_shows_the_baseline(run_dir, diagnosed):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
     from dflash_eval.reporting.history import history
     from dflash_eval.storage import Store
 

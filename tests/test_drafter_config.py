@@ -12,7 +12,6 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash_core.drafter import DFlashDrafter, load_drafter, save_drafter
 from dflash_core.drafter_config import (
-    DFLASH_FIELDS,
     EXTRA_MODULE_FIELDS,
     IGNORED_FIELDS,
     READ_FIELDS,
@@ -20,6 +19,7 @@ from dflash_core.drafter_config import (
     DrafterConfig,
     DrafterConfigWarning,
     DrafterError,
+    dflash_fields,
     read_drafter_config,
 )
 from dflash_eval.tiny import target as tiny_target
@@ -234,7 +234,8 @@ def test_input_embedding_scale_multiplies_the_block_embeddings():
     ({}, {"attention_sink_bias": True}, "attention_sink_bias = true"),
     ({}, {"add_swa_attention_sink_bias": True}, "add_swa_attention_sink_bias"),
     ({}, {"architectures": ["DFlash2DraftModel"]}, "a DFlash2DraftModel needs dflash_config.conv_kernel_size"),
-    ({}, {"architectures": ["DominoDraftModel"]}, r"read here are DFlashDraftModel and DFlash2DraftModel; not read: Domino"),
+    ({}, {"architectures": ["DominoDraftModel"]}, r"read here are DFlashDraftModel \(DFlash\), DFlash2DraftModel \(DFlash2\), Qwen3DSparkModel \(DSpark\), "
+     r".*DSparkDraftModel \(DSpark\); not read: .*Domino"),
     ({}, {"architectures": ["DFlashDraftModel", "DFlash2DraftModel"]}, "not read"),
     ({}, {"architectures": ["Qwen3ForCausalLM"]}, r"architectures \['Qwen3ForCausalLM'\]"),
     ({"conv_kernel_size": 2}, {}, "dflash_config.conv_kernel_size configures DFlash2's convolutions, but the "
@@ -283,8 +284,8 @@ def test_fields_that_do_not_change_the_result_are_accepted_quietly(dflash, top):
 
 
 def test_unknown_top_level_fields_are_warned_about():
-    with pytest.warns(DrafterConfigWarning, match=r"fields not read by dflash-eval: \['num_anchors'\]"):
-        DrafterConfig.from_dict(config(num_anchors=512))
+    with pytest.warns(DrafterConfigWarning, match=r"fields not read by dflash-eval: \['anchor_schedule'\]"):
+        DrafterConfig.from_dict(config(anchor_schedule="cosine"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -295,6 +296,6 @@ def test_the_docs_list_every_config_field():
     page = (Path(__file__).parents[1] / "docs" / "drafter-config.md").read_text()
     section = re.search(r"^## Drafter config fields\n(.*?)(?=^## )", page, re.S | re.M)
     assert section, "docs/drafter-config.md has no '## Drafter config fields' section"
-    names = {*READ_FIELDS, *DFLASH_FIELDS, *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS}
+    names = {*READ_FIELDS, *dflash_fields(), *SWITCHES, *EXTRA_MODULE_FIELDS, *IGNORED_FIELDS}
     missing = sorted(n for n in names if f"`{n}`" not in section.group(1) and f"`dflash_config.{n}`" not in section.group(1))
     assert not missing, f"docs/drafter-config.md 'Drafter config fields' does not list {missing}"

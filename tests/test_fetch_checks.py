@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.storage import Store
 from tests.tiny_models import first_prompts
 

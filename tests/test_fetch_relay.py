@@ -7,7 +7,7 @@ import shutil
 import pytest
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.services.relay.server import RelayServer
 from dflash_eval.storage import Store
 from tests.tiny_models import first_prompts

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 
 
 def fresh_install_environment(tmp_path: Path) -> dict[str, str]:
@@ -27,7 +27,7 @@ def fresh_install_environment(tmp_path: Path) -> dict[str, str]:
 def the_command_line() -> list[str]:
     """`dflash-eval`, the console script a user runs (the module where it is not installed as a script)."""
     script = Path(sys.executable).with_name("dflash-eval")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "dflash_eval.flows.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "dflash_eval.cli"]
 
 
 def one_error_line(output: str) -> str:
@@ -149,12 +149,17 @@ def test_the_first_demo_after_an_install_runs_to_the_end(tiny_qwen3_run, tmp_pat
     assert f"tensorboard --logdir {logdir}" in next_steps
     assert list(logdir.glob("events.out.tfevents.*")) and list((logdir / "dflash-eval").glob("events.out.tfevents.*"))
 
-    # README's example result is what the demo prints for the last step
+    # README's example result is what the demo prints for the last step, up to the last digit: the tiny drafter is
+    # trained on this machine's CPU, and another CPU's kernels round its weights differently (measured: tau 3.868 on
+    # the machine that wrote README, 3.870 on CI's)
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     tau, low, high, pooled = re.search(r"tau (\d\.\d{3}) \(95% CI (\d\.\d\d)-(\d\.\d\d)\), pooled (\d\.\d{3}), step 400",
                                        readme).groups()
     last = table[-1].split()
-    assert last[0] == "step_400" and (last[1], last[2], last[3]) == (tau, f"{low}-{high}", pooled), (last, readme)
+    shown_low, shown_high = last[2].split("-")
+    assert last[0] == "step_400", (last, readme)
+    assert abs(float(last[1]) - float(tau)) <= 0.005 and abs(float(last[3]) - float(pooled)) <= 0.005, (last, readme)
+    assert abs(float(shown_low) - float(low)) <= 0.011 and abs(float(shown_high) - float(high)) <= 0.011, (last, readme)
     assert f'"tau_macro": {tau},' in readme and f'"tau_pooled": {pooled},' in readme
     assert f'"tau_macro_ci95": [{low}, {high}],' in readme
 

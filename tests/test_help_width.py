@@ -9,7 +9,7 @@ import sys
 import pytest
 from typer.main import get_command
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 
 COMMANDS = (["run"], ["stage"], ["serve"], ["watch"], ["prompts"], ["demo"], ["history"], ["relay", "serve"], [])
 
@@ -28,7 +28,7 @@ def test_every_option_shows_its_full_name_off_a_terminal(columns):
     if columns:
         env["COLUMNS"] = columns
     for words in COMMANDS:
-        shown = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", *words, "--help"], env=env,
+        shown = subprocess.run([sys.executable, "-m", "dflash_eval.cli", *words, "--help"], env=env,
                                capture_output=True, text=True, timeout=60)
         assert shown.returncode == 0, shown.stderr
         assert "…" not in shown.stdout, (words, shown.stdout)
@@ -39,6 +39,6 @@ def test_every_option_shows_its_full_name_off_a_terminal(columns):
 
 def test_a_wide_terminal_is_used_whole():
     env = {k: v for k, v in os.environ.items() if k not in ("TERMINAL_WIDTH",)}
-    shown = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", "run", "--help"],
+    shown = subprocess.run([sys.executable, "-m", "dflash_eval.cli", "run", "--help"],
                            env={**env, "COLUMNS": "220"}, capture_output=True, text=True, timeout=60)
     assert max(len(line) for line in shown.stdout.splitlines()) == 220

@@ -109,7 +109,7 @@ def test_a_target_whose_numbers_are_nan_stops_the_run_in_one_line_and_stores_no_
                                               "completion_ids": g["output_ids"]}) + "\n"
                                   for p, g in zip(run["metadata"]["prompts"][:2], run["greedy"][:2])))
     store = tmp_path / "store"
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     result = CliRunner().invoke(app, ["run", "--target", str(target), "--drafter", str(GOLDEN / "dflash010" / "drafter"),
                                       "--references", str(references), "--temperature", "0.6",

@@ -5,7 +5,7 @@ nothing."""
 import pytest
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 
 pytestmark = [pytest.mark.usefixtures("one_thread")]
 

@@ -195,7 +195,7 @@ def test_the_store_commands_say_in_one_line_when_the_store_cannot_be_used(tmp_pa
         (["report", "--out", "out"], "gs://evals/dflash", "error: --store: store 'gs://evals/dflash': gs:// is not supported"),
         (["history"], "s3://evals/dflash", "error: object storage s3://evals/dflash at http://127.0.0.1:"),
     ):
-        done = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", *command, "--store", store], env=dead,
+        done = subprocess.run([sys.executable, "-m", "dflash_eval.cli", *command, "--store", store], env=dead,
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert done.returncode == 2 and done.stderr.startswith(expected), done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -43,7 +43,7 @@ def evaluate(tiny, store, step=-1, **kwargs):
     return state.result(), state.state_details.flow_run_id
 
 
-def cli(tiny, store, *extra, step=-1, api_url, runner=("-m", "dflash_eval.flows.cli"), **popen):
+def cli(tiny, store, *extra, step=-1, api_url, runner=("-m", "dflash_eval.cli"), **popen):
     args = arguments(tiny, store, step)
     command = [sys.executable, *runner, *extra, "--target", args["target"], "--drafter", args["drafter"],
                "--prompts", args["prompts"], "--max-new-tokens", str(MAX_NEW), "--store", args["store"]]
@@ -241,7 +241,7 @@ def test_two_concurrent_runs_share_one_store(tiny, tmp_path, prefect_api_url):
 
 def test_command_line_run_and_stage(tiny, tmp_path, prefect_api_url):
     store = tmp_path / "store"
-    process = cli(tiny, store, "run", "--out", str(tmp_path / "results.json"), runner=("-m", "dflash_eval.flows.cli"),
+    process = cli(tiny, store, "run", "--out", str(tmp_path / "results.json"), runner=("-m", "dflash_eval.cli"),
                   api_url=prefect_api_url)
     output, _ = process.communicate(timeout=300)
     assert process.returncode == 0, output
@@ -263,7 +263,7 @@ def test_command_line_run_and_stage(tiny, tmp_path, prefect_api_url):
 def test_demo_prints_tau_per_saved_step(tiny_qwen3_run, tmp_path, prefect_api_url):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     result = CliRunner().invoke(app, ["demo", "--store", str(tmp_path / "store"), "--out", str(tmp_path / "out")])
     assert result.exit_code == 0, result.output
@@ -428,7 +428,7 @@ BAD_INPUTS = {
 def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case, tiny, tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     make_options, message = BAD_INPUTS[case]
     (tmp_path / "work").mkdir()
@@ -447,7 +447,7 @@ def test_bad_input_is_refused_with_a_clear_message_and_the_store_untouched(case,
 def test_history_shows_tau_by_step_the_best_and_a_regression(tiny, tmp_path, prefect_api_url):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     store = tmp_path / "store"
     evaluate(tiny, store, step=0)
@@ -478,9 +478,10 @@ def test_a_dflash2_drafter_shows_its_selector_on_the_command_line_and_in_history
     `history` (and its --json) the unary head's tau and the lift by step: scores.json's values."""
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_core.generations.dflash2 import SelectorSection
+    from dflash_core.sections import Context
+    from dflash_eval.cli import app
     from dflash_eval.reporting.history import history
-    from dflash_eval.reporting.selector import selector_lines
     from dflash_eval.storage import Store
     from tests.evaluations import stored_scores
 
@@ -505,12 +506,12 @@ def test_a_dflash2_drafter_shows_its_selector_on_the_command_line_and_in_history
         assert [str(k), str(reached), f"{selector['selector_accuracy'][k - 1]:.1%}",
                 f"{selector['argmax_accuracy'][k - 1]:.1%}", f"{selector['candidate_recall'][k - 1]:.1%}"] in lines
     # with sampled drafts the head alone drafts from its q, and the counts are expectations
-    unary, shares = selector_lines(selector, sampled=True)
+    unary, shares = SelectorSection(selector).lines(Context(sampled=True))
     assert unary.startswith("unary head alone (drafts sampled from its q): ") and " expected draft positions" in shares
 
     selectors = [stored_scores(evaluated.store, r)["selector"] for r in evaluated.results]
     (group,) = history(Store(evaluated.store))
-    assert [(row.unary_tau_macro, row.selector_lift) for row in group.rows] == \
+    assert [(row.values["unary_tau_macro"], row.values["selector_lift"]) for row in group.rows] == \
         [(s["unary_tau_macro"], s["lift"]) for s in selectors]
     shown = CliRunner().invoke(app, ["history", "--store", str(evaluated.store)])
     assert shown.exit_code == 0, shown.output

@@ -95,7 +95,7 @@ def test_a_truncated_scores_json_is_named_by_history_and_report_and_recomputed_b
     row back; the next run that needs it finds it, removes it and scores again, to the clean results."""
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     store = tmp_path / "store"
     first = evaluate(tiny, store, step=0)
@@ -164,7 +164,7 @@ def test_later_stages_follow_a_refreshed_stage_whose_content_changed_and_stay_wh
 def test_verify_names_each_damage_and_repair_makes_the_next_run_recompute_exactly_it(tiny, clean, tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     store = tmp_path / "store"
     evaluate(tiny, store)
@@ -288,7 +288,7 @@ def test_verify_reports_each_damage_and_changes_nothing(clean, tmp_path, stage, 
     history, a reader, changes nothing either."""
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     store = tmp_path / "store"
     shutil.copytree(_clean_store(clean), store)
@@ -305,7 +305,7 @@ def test_verify_reports_each_damage_and_changes_nothing(clean, tmp_path, stage, 
 def test_repair_after_every_damage_at_once_gives_the_clean_results(tiny, clean, tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     store = tmp_path / "store"
     shutil.copytree(_clean_store(clean), store)

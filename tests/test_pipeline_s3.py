@@ -60,7 +60,7 @@ def test_an_evaluation_on_object_storage_equals_the_local_one_and_a_second_machi
 
     # the store's commands take the URL as they take a folder
     for command, expected in ((["history"], f"{results['tau_macro']:.3f}"), (["verify"], " 0 problems")):
-        shown = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", *command, "--store", s3_url],
+        shown = subprocess.run([sys.executable, "-m", "dflash_eval.cli", *command, "--store", s3_url],
                                capture_output=True, text=True, timeout=120)
         assert shown.returncode == 0 and expected in shown.stdout, shown.stdout + shown.stderr
 

@@ -1,7 +1,8 @@
-"""The published benchmarks (dflash_core/published): the real loading code on files written in each dataset's own
-schema and on the data registry packages ship, each protocol's subset, formatting, templating, token ids and stop
-ids against what z-lab's own code produced for the same rows (tests/golden/published_prompts.json, recorded once by
-tests/golden/make_published_golden.py), the published numbers set beside ours, and bad data refused in one line."""
+"""The published benchmarks (dflash_core/published; their rows read by services/benchmark_data.py): the real
+loading code on files written in each dataset's own schema and on the data registry packages ship, each protocol's
+subset, formatting, templating, token ids and stop ids against what z-lab's own code produced for the same rows
+(tests/golden/published_prompts.json, recorded once by tests/golden/make_published_golden.py), the published numbers
+set beside ours, and bad data refused in one line."""
 
 import json
 from pathlib import Path
@@ -10,10 +11,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from dflash_core.prompts import turn_prompt_ids
-from dflash_core.published.benchmarks import BENCHMARKS, BenchmarkError, benchmark_names, load_rows, read_data_option
+from dflash_core.published.benchmarks import BENCHMARKS, BenchmarkError, benchmark_names, read_data_option
 from dflash_core.published.numbers import Setting, compare, published_for
-from dflash_core.published.prompt_set import benchmark_conversations, benchmark_prompts
 from dflash_core.published.protocols import PROTOCOLS
+from dflash_eval.services.benchmark_data import benchmark_conversations, benchmark_prompts, load_rows
 from tests.published_rows import COUNTS, DATASETS, rows, write_layout
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -97,6 +98,18 @@ def test_subsets_at_the_published_row_counts_are_zlab_codes(golden):
             rows_ = [Row(i, {}) for i in range(subset["rows"])]
             picked = PROTOCOLS[protocol].select(rows_, subset["max_samples"])
             assert [r.index for r in picked] == subset["order"], (protocol, name)
+
+
+@pytest.mark.parametrize("rows_", [129, 500, 1319, 52002])
+def test_the_paper_subset_is_datasets_own_shuffle_without_importing_datasets(rows_):
+    # dflash_core reads no datasets: zlab-2026-01's Dataset.shuffle(seed=0) is taken as numpy's permutation
+    from datasets import Dataset
+
+    from dflash_core.published.benchmarks import Row
+
+    shuffled = Dataset.from_dict({"i": list(range(rows_))}).shuffle(seed=0).select(range(128))["i"]
+    picked = PROTOCOLS["zlab-2026-01"].select([Row(i, {}) for i in range(rows_)], 128)
+    assert [r.index for r in picked] == list(shuffled)
 
 
 def test_protocol_defaults_and_what_each_protocol_refuses(layouts):

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from dflash_core.prompts import turn_prompt_ids
 from dflash_core.target import read_target_config
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.storage import Store, read_json
 from dflash_eval.storage.schema import Stage
 from dflash_eval.tasks.references import PromptChoice, load_prompts

@@ -134,7 +134,7 @@ def test_every_backend_gives_the_local_sampled_references(tiny, server, tmp_path
 
 def serve_in_process(target_dir, port, *options) -> subprocess.Popen:
     """`dflash-eval serve-reference` in its own process (one torch thread), once it accepts requests."""
-    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.flows.cli", "serve-reference", "--target", str(target_dir),
+    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.cli", "serve-reference", "--target", str(target_dir),
                                 "--port", str(port), *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     for line in process.stdout:
@@ -192,7 +192,7 @@ def _raises(fn, *args, **kwargs):
 def test_a_server_of_another_tokenizer_is_refused_before_any_work(tiny, tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     other = tiny_target.train_tokenizer("def other(corpus):\n    return corpus[::-1]\n" * 50, vocab_size=300)
     other.save_pretrained(tmp_path / "other_tokenizer")
@@ -239,7 +239,7 @@ def test_faults_are_retried_and_refusals_are_not(tiny, server):
 
 def run_command_line(tiny, store, reference, *options, api_url, env=()):
     """`dflash-eval run` in its own process, reporting to the session's Prefect server: (exit code, output)."""
-    command = [sys.executable, "-m", "dflash_eval.flows.cli", "run", "--target", str(tiny.target_dir),
+    command = [sys.executable, "-m", "dflash_eval.cli", "run", "--target", str(tiny.target_dir),
                "--drafter", str(tiny.drafter_steps[-1]), "--prompts", str(tiny.small_prompts),
                "--max-new-tokens", str(MAX_NEW), "--store", str(store), "--reference", reference, *options]
     environment = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
@@ -253,7 +253,7 @@ def refused_in_process(tiny, store, reference, *options, env=()):
     """`dflash-eval run` in this process, for runs its input checks refuse before any flow starts."""
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     result = CliRunner().invoke(app, ["run", "--target", str(tiny.target_dir), "--drafter", str(tiny.drafter_steps[-1]),
                                       "--prompts", str(tiny.small_prompts), "--max-new-tokens", str(MAX_NEW),
@@ -337,7 +337,7 @@ def test_an_api_key_is_no_part_of_the_references_key(tiny, server, tmp_path, pre
                 runs[name] = (refs_key, read_references(store, refs_key))
                 with get_client(sync_client=True) as client:
                     parameters = client.read_flow_run(state.state_details.flow_run_id).parameters
-                assert key not in json.dumps(parameters) + json.dumps(results)
+                assert key not in json.dumps(parameters) + json.dumps(results.to_json())
                 assert key.encode() not in stored_bytes(store)
             assert (parameters.get("generation") or {}).get("reference_api_key_file") == \
                 options.get("reference_api_key_file")

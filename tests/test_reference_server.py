@@ -618,7 +618,7 @@ def test_the_api_key_comes_from_a_file_or_the_environment(keyed_server, tokenize
 
 @pytest.mark.slow  # starts processes or waits on purpose
 def test_cli_serves_until_terminated(target_dir):
-    command = [sys.executable, "-m", "dflash_eval.flows.cli", "serve-reference", "--target", str(target_dir), "--port", "0",
+    command = [sys.executable, "-m", "dflash_eval.cli", "serve-reference", "--target", str(target_dir), "--port", "0",
                "--served-model-name", "ref"]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watchdog = threading.Timer(120, process.kill)  # never hang the test run on a silent server
@@ -644,7 +644,7 @@ def test_cli_serves_until_terminated(target_dir):
 def test_cli_reports_a_missing_target(tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     result = CliRunner().invoke(app, ["serve-reference", "--target", str(tmp_path / "none"), "--port", "0"])
     assert result.exit_code == 2
@@ -655,7 +655,7 @@ def test_cli_reports_a_missing_target(tmp_path):
 def test_cli_serves_behind_an_api_key_file(target_dir, tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text(KEY + "\n")
-    command = [sys.executable, "-m", "dflash_eval.flows.cli", "serve-reference", "--target", str(target_dir), "--port", "0",
+    command = [sys.executable, "-m", "dflash_eval.cli", "serve-reference", "--target", str(target_dir), "--port", "0",
                "--api-key-file", str(key_file)]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -684,7 +684,7 @@ def test_cli_serves_behind_an_api_key_file(target_dir, tmp_path):
 def test_cli_refuses_an_empty_or_missing_api_key_file(target_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     (tmp_path / "empty").write_text("\n")
     for name, needle in (("empty", "is empty"), ("missing", "cannot read")):

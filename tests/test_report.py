@@ -19,7 +19,7 @@ import pytest
 from PIL import Image
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.reporting.report import NothingToReport, write_report
 from dflash_eval.storage import Store, key_of, write_json_atomic
 from dflash_eval.storage.schema import (
@@ -468,6 +468,7 @@ def test_each_group_has_its_section_and_plots(tmp_path):
 def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regression(tmp_path):
     from dflash_eval.reporting.artifacts import summary_markdown
     from dflash_eval.reporting.history import find_group, history
+    from tests.evaluations import results_of
 
     store = Store(tmp_path / "store")
     keys = {
@@ -498,9 +499,9 @@ def test_checkpoints_without_a_step_are_ordered_by_scoring_time_and_never_a_regr
 
     def summary(label, step):
         found = find_group(history(store), keys[label])
-        results = {"drafter": {"source": f"/runs/a/{label}", "step": step}, "tau_macro": found[1].tau_macro,
-                   "tau_macro_ci95": found[1].tau_macro_ci95, "tau_pooled": 1.0, "block_size": 8,
-                   "n_scored_prompts": 3, "stages": {"scores": "ran"}, "served": {"label": "greedy"}}
+        results = results_of(drafter={"source": f"/runs/a/{label}", "step": step}, tau_macro=found[1].tau_macro,
+                             tau_macro_ci95=found[1].tau_macro_ci95, tau_pooled=1.0, block_size=8,
+                             n_scored_prompts=3, stages={"scores": "ran"}, served={"label": "greedy"})
         return summary_markdown(results, found, None)
 
     untrained = summary("zz-untrained", None)

@@ -186,7 +186,7 @@ def test_command_line_writes_and_serves_the_report(tmp_path):
     for step, tau in [(1000, 3.1), (2000, 3.6)]:
         fabricate(store, f"/runs/a/step_{step}", step, tau, (tau - 0.2, tau + 0.2))
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.flows.cli", "report", "--store", str(store.root), "--serve",
+    process = subprocess.Popen([sys.executable, "-m", "dflash_eval.cli", "report", "--store", str(store.root), "--serve",
                                 "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                cwd=Path(__file__).parent.parent,
                                # Ctrl+C reaches it even when pytest runs as a background job of a script, whose
@@ -214,7 +214,7 @@ def test_command_line_writes_and_serves_the_report(tmp_path):
 def test_command_line_without_out_or_serve_asks_for_out(tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     result = CliRunner().invoke(app, ["report", "--store", str(tmp_path / "store")])
     assert result.exit_code == 2 and "--out" in result.output
@@ -223,7 +223,7 @@ def test_command_line_without_out_or_serve_asks_for_out(tmp_path):
 def test_command_line_on_a_taken_port_says_which_option_to_change(tmp_path, report_folder):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     store = Store(tmp_path / "scored")
     fabricate(store, "/runs/a/step_1000", 1000, 3.1, (2.9, 3.3))
@@ -242,7 +242,7 @@ def serve_without_runner(monkeypatch, tmp_path):
 
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     seen = {}
 

@@ -122,7 +122,7 @@ def test_a_full_disk_names_what_filled_and_keeps_the_store_consistent(tiny, tmp_
     weights = sum(f.stat().st_size for f in run.drafter_steps[-1].iterdir())
     size_kb = (weights + 200_000) // 1024  # room for the fetched drafter and the references, not the features
     store, after = mount / "store", tmp_path / "store-after"
-    command = shlex.join([sys.executable, "-m", "dflash_eval.flows.cli", "run", *run_arguments(tiny, store)])
+    command = shlex.join([sys.executable, "-m", "dflash_eval.cli", "run", *run_arguments(tiny, store)])
     # the tmpfs lives as long as the namespace: copy the store out before leaving it
     script = (f"mount -t tmpfs -o size={size_kb}k tmpfs {shlex.quote(str(mount))} || exit 99; {command}; rc=$?; "
               f"cp -a {shlex.quote(str(store))} {shlex.quote(str(after))}; exit $rc")
@@ -159,7 +159,7 @@ def test_a_store_this_user_cannot_read_or_write_is_refused_first(mode, request):
 
     import dflash_eval.flows.evaluate  # noqa: F401 (imported before dropping privileges: nobody may not read the venv)
     import dflash_eval.flows.local_server  # noqa: F401
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     base = Path(tempfile.mkdtemp(prefix="dflash-store-perm-"))  # pytest's own tmp folders are private to the user
     request.addfinalizer(lambda: shutil.rmtree(base))

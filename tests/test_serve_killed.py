@@ -25,7 +25,7 @@ def start_serve(prefect_server, setup, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_API_URL": prefect_server["url"], "PREFECT_HOME": str(prefect_server["home"]),
            "PREFECT_LOGGING_LEVEL": "INFO"}
     return subprocess.Popen(
-        [sys.executable, "-m", "dflash_eval.flows.cli", "serve", "--target", str(setup["tiny"].target_dir),
+        [sys.executable, "-m", "dflash_eval.cli", "serve", "--target", str(setup["tiny"].target_dir),
          "--prompts", str(setup["prompts"]), "--store", str(setup["store"]), "--max-new-tokens", str(MAX_NEW),
          "--settle-seconds", "0", "--no-report-server"],
         env=env, stdout=log.open("a"), stderr=subprocess.STDOUT, cwd=Path(__file__).parent.parent,
@@ -33,7 +33,7 @@ def start_serve(prefect_server, setup, log: Path) -> subprocess.Popen:
 
 
 def notify(prefect_server, checkpoint) -> None:
-    result = subprocess.run([sys.executable, "-m", "dflash_eval.flows.cli", "notify", "--checkpoint", str(checkpoint),
+    result = subprocess.run([sys.executable, "-m", "dflash_eval.cli", "notify", "--checkpoint", str(checkpoint),
                              "--step", "300"], env={**os.environ, "PREFECT_API_URL": prefect_server["url"]},
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -12,7 +12,7 @@ from dflash_core.decoding import decode, speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.sampling import Sampling, sample_seed
 from dflash_core.target import load_target, read_target_config
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.storage import Store
 from tests.test_pipeline import MAX_NEW, N_PROMPTS, STAGES, evaluate
 

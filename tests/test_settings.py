@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from dflash_core.drafter_config import chosen_block_size
 from dflash_core.sampling import Sampling, Served
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.flows.settings import (
     GROUPS,
     SETTINGS,
@@ -130,7 +130,7 @@ def test_on_the_command_line_a_bound_is_checked_once_and_named_by_its_flag(tmp_p
 
 def test_the_command_line_holds_as_set_only_what_the_user_gave(monkeypatch):
     """`watch` passes on only what it was given, so the evaluations keep their deployment's other settings."""
-    from dflash_eval.flows.cli import serving
+    from dflash_eval.cli import serving
 
     seen = {}
     monkeypatch.setattr(serving, "start_local_server", lambda: None)
@@ -182,6 +182,46 @@ def test_the_served_setting_is_one_value_with_one_label():
         sampled, 8, 1, draft_sample_method="probabilistic", draft_truncation=False)
     assert Served(sampled, draft_sample_method="probabilistic", draft_truncation=False).draft_q == Sampling(0.6)
     assert Served(sampled).draft_q is None
+
+
+# The drafts entry's keys of a sampled-draft setting, as the drafts stage computed them before the setting had one
+# typed form (DraftSampling): a store's entries must keep them (q with the served truncation, then at T only).
+SAMPLED_DRAFTS_KEYS = {True: "dc73dfe79af5e3c444adba2e952ad7fc00c112066936791814eb9906d8378923",
+                       False: "5e5992b9933df72104c8bbae07ffe56cd89bc19dc7c21416d40aaef7a4798464"}
+
+
+@pytest.mark.parametrize("truncation", [True, False])
+def test_a_sampled_draft_setting_is_one_value_stored_as_before(truncation):
+    from dflash_core.sampling import DraftSampling
+    from dflash_eval.tasks.drafts import drafts_key
+
+    served = Served(Sampling(0.6, 20, 0.95), 8, 3, 4, draft_sample_method="probabilistic", draft_truncation=truncation)
+    drafts = served.draft_sampling
+    assert drafts == DraftSampling(served.draft_q, 3) and Served(Sampling(0.6)).draft_sampling is None
+    # the drafts record's `draft_sampling` and the key's `sampled_drafts`: the same dict as ever
+    q = {"temperature": 0.6, "top_k": 20 if truncation else 0, "top_p": 0.95 if truncation else 1.0, "min_p": 0.0}
+    assert drafts.to_record() == {"q": q, "seed": 3} and DraftSampling.from_record(drafts.to_record()) == drafts
+    key = drafts_key("c" * 64, "f" * 64, (1, 3), 4, "causal", False, "float32", "cpu", 64, drafts)
+    assert key == SAMPLED_DRAFTS_KEYS[truncation]
+    # read back from the store's records, the setting is the one served (its truncation too)
+    record = {**Sampling(0.6, 20, 0.95).identity(), "samples": 8, "seed": 3}
+    assert Served.from_record(record, block_size=4, draft_sampling=drafts.to_record()) == served
+    assert Served.from_record(record, block_size=4, draft_sampling=drafts) == served
+
+
+def test_the_block_is_resolved_once_from_the_request_and_the_drafter():
+    from dataclasses import replace
+
+    from dflash_core.blocks import Block, resolve_block
+    from dflash_core.drafter_config import DrafterConfig
+    from tests.drafters import drafter_config
+
+    config = DrafterConfig.from_dict(drafter_config(block_size=8))
+    assert resolve_block(None, config) == resolve_block(8, config) == Block(8, 8, 8)
+    assert resolve_block(None, config).chosen is None and resolve_block(4, config).chosen == 4
+    assert resolve_block(4, replace(config, drafts_from_anchor=True)) == Block(8, 4, 5)  # the anchor's slot drafts
+    with pytest.raises(ValueError, match="block size 16: use 2 .. 8"):
+        resolve_block(16, config)
 
 
 def test_a_block_size_is_chosen_only_when_it_is_not_the_drafter_s_own():

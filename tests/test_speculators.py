@@ -24,6 +24,7 @@ from dflash_core.decoding import greedy_decode, speculative_decode
 from dflash_core.drafter import load_drafter
 from dflash_core.drafter_config import DrafterError, read_drafter_config
 from dflash_core.features import extract_features
+from dflash_core.generations.dflash2 import shapes_of
 from dflash_core.replay import BlockScorer, Reference, replay
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -58,8 +59,8 @@ def test_a_speculators_config_is_read_as_the_published_one_it_describes():
     anchor = read_drafter_config(SAVES / "dflash_anchor" / "0")
     assert anchor.drafts_from_anchor and anchor.verified_tokens(8) == 9
     dflash2 = read_drafter_config(SAVES / "dflash2" / "0")
-    assert dflash2.has_selector and dflash2.sliding_semantics == "non_causal"
-    assert (dflash2.conv_kernel_size, dflash2.selector_top_k) == (2, 16)
+    assert dflash2.generation.NAME == "DFlash2" and dflash2.sliding_semantics == "non_causal"
+    assert (shapes_of(dflash2).conv_kernel_size, shapes_of(dflash2).selector_top_k) == (2, 16)
 
 
 @pytest.mark.parametrize("edit,message", [
@@ -120,7 +121,7 @@ def test_a_run_folder_of_speculators_saves_is_evaluated_save_by_save_beside_its_
     save through a relay is the same checkpoint, and only the drafter's files are fetched."""
     import shutil
 
-    from dflash_eval.flows.cli.evaluation import checkpoints_named
+    from dflash_eval.cli.evaluation import checkpoints_named
     from dflash_eval.services.relay.server import RelayServer
     from dflash_eval.storage import Store
     from tests.evaluations import run_evaluation

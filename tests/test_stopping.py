@@ -26,7 +26,7 @@ def _start(tiny, store: Path, log: Path) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}  # Prefect's temporary server
     env.update(OMP_NUM_THREADS="1", PREFECT_LOGGING_LEVEL="INFO", COLUMNS="200")
     return subprocess.Popen(
-        [sys.executable, "-m", "dflash_eval.flows.cli", "run", "--target", str(tiny.target_dir), "--drafter",
+        [sys.executable, "-m", "dflash_eval.cli", "run", "--target", str(tiny.target_dir), "--drafter",
          str(tiny.drafter_steps[-1]), "--prompts", str(tiny.prompts), "--temperature", "0.6", "--samples", "1000",
          "--max-new-tokens", "64", "--store", str(store)],
         stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,

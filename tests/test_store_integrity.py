@@ -234,7 +234,7 @@ def test_verify_reports_each_damage_and_repair_removes_exactly_it(tmp_path):
 def test_verify_command_exits_1_on_damage_and_0_once_repaired(tmp_path):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     store, _, expected = _damaged_store(tmp_path)
     result = CliRunner().invoke(app, ["verify", "--store", str(store.root)])

@@ -176,7 +176,7 @@ def edited_copy(source: Path, to: Path, edit) -> Path:
 def test_bad_input_gets_one_line_exit_2_and_no_store(tmp_path, which, edit, says):
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     models = {name: folder("llama3_1") / name for name in ("target", "drafter")}
     models[which] = edited_copy(models[which], tmp_path / which, edit)

@@ -142,7 +142,7 @@ def test_threads_option_reaches_torch_before_anything_computes(fresh_budget, tmp
     input check: the target is missing)."""
     from typer.testing import CliRunner
 
-    from dflash_eval.flows.cli import app
+    from dflash_eval.cli import app
 
     torch.set_num_threads(2)
     result = CliRunner().invoke(app, ["run", "--target", str(tmp_path / "missing"), "--drafter", str(tmp_path),

@@ -12,7 +12,7 @@ import pytest
 import requests
 from typer.testing import CliRunner
 
-from dflash_eval.flows.cli import app
+from dflash_eval.cli import app
 from dflash_eval.reporting.history import history
 from dflash_eval.reporting.training_log import read_training_log
 from dflash_eval.storage import Store

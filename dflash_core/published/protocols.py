@@ -13,6 +13,14 @@ and tokenize, where decoding stops and how drafts are drawn at a temperature:
 | drafts at T > 0 | the drafter's argmax, accepted where the target emits it | the same | sampled and accepted by rejection sampling |
 
 All decode up to 2048 new tokens.
+
+A second family, DeepSpec's (`deepspec`: github deepseek-ai/DeepSpec at afdfa7c, `eval.py` and
+`deepspec/eval/base_evaluator.py`, the DSpark paper's Table 1), reads its own files (benchmarks.DEEPSPEC_BENCHMARKS):
+eval.py's nine tasks with its counts (`TASKS`); when a file has more rows than the count, the rows shuffled by
+`random.Random(980406)` (its --seed), the first n; the first user turn only; `enable_thinking=False`;
+`encode(text, add_special_tokens=False)`; stop at `generation_config.eos_token_id` (its ids once each; the
+tokenizer's eos where there is none); drafts sampled and accepted by rejection sampling at its T = 1.0; 2048 new
+tokens. It publishes a pooled acceptance length (`published_tau`), not z-lab's per-response mean.
 """
 
 import random
@@ -20,18 +28,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from .benchmarks import BenchmarkError, Row
+from .benchmarks import BENCHMARKS, DEEPSPEC_BENCHMARKS, Benchmark, BenchmarkError, Row
 
-ProtocolName = Literal["zlab-2026-01", "zlab-2026-04", "dflash-0.1"]
+ProtocolName = Literal["zlab-2026-01", "zlab-2026-04", "dflash-0.1", "deepspec"]
 FIVE = ("gsm8k", "math500", "humaneval", "mbpp", "mt-bench")
 # zlab-2026-01's run script (run_benchmark.sh): prompts per dataset; lbpp is not in it, so all of its rows
 PAPER_COUNTS = {"gsm8k": 128, "math500": 128, "aime24": 30, "aime25": 30, "humaneval": 164, "mbpp": 128,
                 "livecodebench": 128, "swe-bench": 128, "mt-bench": 80, "alpaca": 128}
+# DeepSpec's eval.py TASKS: its tasks, in its order, with the rows it takes of each
+DEEPSPEC_COUNTS = {"gsm8k": 500, "math500": 500, "aime25": 30, "humaneval": 164, "mbpp": 256, "livecodebench": 500,
+                   "mt-bench": 80, "alpaca": 500, "arena-hard-v2": 500}
+DEEPSPEC_SEED = 980406  # eval.py's --seed default: run_dataset shuffles with random.Random(seed)
+# tasks DeepSpec names whose file it does not hold: refused by name, with why
+DEEPSPEC_MISSING = {"alpaca": "DeepSpec's eval.py and the DSpark paper's Table 1 name it, but its eval_datasets/ holds "
+                              "no alpaca.jsonl (at afdfa7c), so its rows cannot be the ones DeepSpec ran"}
+COUNTS = {"zlab-2026-01": PAPER_COUNTS, "deepspec": DEEPSPEC_COUNTS}  # the protocols with counts of their own
 
 
 @dataclass(frozen=True)
 class Protocol:
-    """One version of z-lab's benchmark protocol (see the module docstring)."""
+    """One version of z-lab's benchmark protocol, or DeepSpec's (see the module docstring)."""
 
     name: str
     source: str  # where it is defined
@@ -40,20 +56,53 @@ class Protocol:
     stop: Literal["tokenizer", "generation_config"]
     sampled_drafts: bool  # at T > 0 drafts are sampled and accepted by rejection sampling
     max_new_tokens: int = 2048
+    temperature: float | None = None  # the temperature it samples at unless --temperature is given (None: ours)
+    # how its published acceptance lengths average the steps: "macro" (per response, then over responses: z-lab's
+    # tau, our tau_macro) or "pooled" (every step of every response at once: DeepSpec's, our tau_pooled)
+    published_tau: Literal["macro", "pooled"] = "macro"
+
+    @property
+    def counted(self) -> bool:
+        """Whether it takes a count of rows of its own from each benchmark (its run script's, eval.py's)."""
+        return self.name in COUNTS
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The benchmarks it runs."""
+        return self.datasets if self.datasets is not None else tuple(BENCHMARKS)
+
+    def benchmark(self, name: str) -> Benchmark:
+        """Benchmark `name` as this protocol reads it: z-lab's hub split, or DeepSpec's own file."""
+        return DEEPSPEC_BENCHMARKS[name] if self.name == "deepspec" else BENCHMARKS[name]
+
+    def refusal(self, name: str) -> str | None:
+        """Why it cannot run benchmark `name` though it names it (None: it can)."""
+        return DEEPSPEC_MISSING.get(name) if self.name == "deepspec" else None
 
     def default_count(self, name: str) -> int | None:
         """The rows the protocol takes of benchmark `name` when --max-samples is not given (None: all)."""
-        return PAPER_COUNTS.get(name) if self.name == "zlab-2026-01" else None
+        return COUNTS.get(self.name, {}).get(name)
 
     def select(self, rows: Sequence[Row], max_samples: int | None) -> list[Row]:
         """The rows the protocol evaluates, in the order it runs them."""
         n = len(rows)
+        if self.name == "deepspec":
+            if max_samples is None or n <= max_samples:
+                return list(rows)
+            # run_dataset shuffles its list of rows in place with a fresh random.Random(seed) per task; shuffling
+            # the indices instead draws the same permutation (shuffle depends on the length only)
+            order = list(range(n))
+            random.Random(DEEPSPEC_SEED).shuffle(order)
+            return [rows[i] for i in order[:max_samples]]
         if self.name == "zlab-2026-01":
             if max_samples is None or n <= max_samples:
                 return list(rows)
-            from datasets import Dataset  # the paper-era code shuffles a datasets.Dataset: its permutation, exactly
-            order = Dataset.from_dict({"i": list(range(n))}).shuffle(seed=0).select(range(max_samples))["i"]
-            return [rows[i] for i in order]
+            import numpy as np
+
+            # the paper-era code shuffles a datasets.Dataset with seed 0: its permutation is numpy's default
+            # generator's, seeded alike (datasets' Dataset.shuffle; tests/test_published.py holds the two equal)
+            picked = np.random.default_rng(0).permutation(n)[:max_samples]
+            return [rows[int(i)] for i in picked]
         if self.name == "zlab-2026-04":
             if max_samples is None or n <= max_samples:
                 return list(rows)
@@ -66,7 +115,7 @@ class Protocol:
 
     def template_kwargs(self, reasoning: str | None, chat_template: str | None) -> dict:
         """What the chat template is given besides the messages and `add_generation_prompt=True`."""
-        if self.name == "zlab-2026-01":
+        if self.name in ("zlab-2026-01", "deepspec"):  # (DeepSpec's run_dataset: enable_thinking=False)
             if reasoning not in (None, "off"):
                 raise BenchmarkError(f"--reasoning {reasoning}: {self.name} templates with enable_thinking=False "
                                      "only; use --protocol zlab-2026-04 or dflash-0.1 to reason")
@@ -94,6 +143,8 @@ class Protocol:
         """Where decoding stops: the tokenizer's eos token, or the target's generation_config eos ids
         (`generation_eos`; the tokenizer's eos when it has none)."""
         if self.stop == "generation_config" and generation_eos:
+            if self.name == "deepspec":  # resolve_stop_token_ids keeps each id once, in its order
+                return list(dict.fromkeys(int(t) for t in generation_eos))
             return [int(t) for t in generation_eos]
         if tokenizer.eos_token_id is None:
             raise BenchmarkError(f"{self.name} stops at the tokenizer's eos token; the target's tokenizer has none")
@@ -107,5 +158,8 @@ PROTOCOLS: dict[str, Protocol] = {p.name: p for p in (
              FIVE, True, "tokenizer", False),
     Protocol("dflash-0.1", "PyPI dflash 0.1.0, dflash/benchmark.py (transformers backend)", FIVE, False,
              "generation_config", True),
+    Protocol("deepspec", "deepseek-ai/DeepSpec eval.py and deepspec/eval/base_evaluator.py at afdfa7c (the DSpark "
+             "paper's Table 1)", tuple(DEEPSPEC_COUNTS), False, "generation_config", True, temperature=1.0,
+             published_tau="pooled"),
 )}
 DEFAULT_PROTOCOL = "zlab-2026-01"

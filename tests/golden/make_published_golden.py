@@ -47,8 +47,9 @@ Run it once, in a venv with what the three versions import (CPU torch):
     python3 -m venv /tmp/zlabvenv
     /tmp/zlabvenv/bin/pip install torch==2.13.0 'transformers>=4.57,<6' datasets numpy tqdm rich loguru requests
     /tmp/zlabvenv/bin/pip install --no-deps dflash==0.1.0        # (or the downloaded wheel)
-    /tmp/zlabvenv/bin/python tests/golden/make_published_golden.py [--tokenizer-from ~/.cache/dflash-eval/tiny/<key>/target] \\
-        [--zlab-repo <git clone of z-lab/dflash>]
+    git clone https://github.com/z-lab/dflash /tmp/zlab-dflash
+    /tmp/zlabvenv/bin/python tests/golden/make_published_golden.py --zlab-repo /tmp/zlab-dflash \\
+        [--tokenizer-from ~/.cache/dflash-eval/tiny/<key>/target]
 
 Without --tokenizer-from it rebuilds bos/ and effort/ from the chatml/ already here. It imports only torch,
 transformers, tokenizers, datasets and z-lab's code, and tests/published_rows.py (nothing else from this
@@ -480,8 +481,8 @@ def dump(golden: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokenizer-from", type=Path, help="a tiny run's target/ folder (default: published/chatml)")
-    parser.add_argument("--zlab-repo", type=Path, default=Path("/work/.mirror/z-lab+dflash/repo"),
-                        help="a git clone (or mirror) of github.com/z-lab/dflash")
+    parser.add_argument("--zlab-repo", type=Path, required=True,
+                        help="a git clone (or mirror) of github.com/z-lab/dflash, holding both commits recorded")
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

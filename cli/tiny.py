@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Self
 import typer
 
 from .common import configure_threads, fail
-from .options import Arch, DrafterArchitecture, Threads, example
+from .options import Arch, Threads, example
 
 if TYPE_CHECKING:
     from rich.progress import TaskID
@@ -86,23 +86,26 @@ def tiny_build(
                                        "VLM).")] = Arch.qwen3,
     target_steps: Annotated[int | None, typer.Option(help="Target training steps (default: the "
                                                      "architecture's).")] = None,
-    drafter_architecture: Annotated[DrafterArchitecture, typer.Option(
-        help="The drafter: DFlash, or DFlash2 (convolutions and a candidate selector).")] = (
-            DrafterArchitecture.DFlashDraftModel),
+    drafter_architecture: Annotated[str, typer.Option(
+        metavar="ARCHITECTURE", help="The drafter: a generation's architecture (dflash_core.generations), as its own "
+        "trainer saves it: DFlashDraftModel, DFlash2DraftModel (convolutions and a candidate selector) or "
+        "Qwen3DSparkModel (DeepSpec's DSpark: Markov and confidence heads).")] = "DFlashDraftModel",
     drafter_steps: Annotated[int | None, typer.Option(help="Drafter training steps (default 400).")] = None,
     save_every: Annotated[int | None, typer.Option(help="Save a drafter checkpoint every N steps (default "
                                                    "100).")] = None,
     threads: Threads = None,
 ):
-    """Train a tiny target and a DFlash (or DFlash2) drafter run into OUT, and print tau per saved step."""
+    """Train a tiny target and a drafter run (DFlash, DFlash2 or DSpark) into OUT, and print tau per saved step."""
     from dflash_eval.flows.checks import writable_problem
-    from dflash_eval.tiny.build import TinyBuildSettings, build_tiny
+    from dflash_eval.tiny.build import TinyBuildSettings, build_tiny, buildable_architectures
 
     if problem := writable_problem(out, folder=True):
         fail(f"--out: {problem}")
+    if drafter_architecture not in buildable_architectures():
+        fail(f"--drafter-architecture {drafter_architecture!r}: the tiny build trains "
+             f"{', '.join(buildable_architectures())}")
     configure_threads(threads)
-    settings = TinyBuildSettings(arch=arch.value, target_steps=target_steps,
-                                 drafter_architecture=drafter_architecture.value)
+    settings = TinyBuildSettings(arch=arch.value, target_steps=target_steps, drafter_architecture=drafter_architecture)
     training = settings.drafter_training
     if drafter_steps is not None:
         training = replace(training, steps=drafter_steps)

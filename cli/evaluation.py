@@ -4,7 +4,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, cast
+from typing import TYPE_CHECKING, Annotated, cast
 
 import typer
 
@@ -15,10 +15,13 @@ from .common import configure_threads, fail, local_server_needed, open_store, st
 from .options import Drafter, Drafters, Stage, StoreRoot, Threads, example, settings_options
 from .stopping import stopped_by_signals, stops
 
+if TYPE_CHECKING:
+    from dflash_eval.reporting.results import Results
+
 app = typer.Typer()
 
 
-def evaluate(evaluation: Evaluation, out: Path | None = None) -> dict:
+def evaluate(evaluation: Evaluation, out: Path | None = None) -> "Results":
     """Check the evaluation and the results file `out` (one clear error, nothing written), then run the flow with
     it, handing the flow run the checked evaluation."""
     results = evaluate_each([evaluation], out)[0]
@@ -26,7 +29,7 @@ def evaluate(evaluation: Evaluation, out: Path | None = None) -> dict:
     return results
 
 
-def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> list[dict | None]:
+def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> "list[Results | None]":
     """Evaluate several checkpoints in this process, each a flow run of its own: every one's inputs are checked
     before any runs (a bad one: one clear error naming the flag, nothing computed), then they run in turn, sharing
     Prefect's temporary server and what the process loaded (the target's head). A checkpoint that fails while it
@@ -61,7 +64,7 @@ def evaluate_each(evaluations: list[Evaluation], out: Path | None = None) -> lis
     for note in dict.fromkeys(filter(None, (_new_series_note(c) for c in checked))):
         typer.secho(note, err=True, fg="yellow")
     start_local_server()  # after the checks: bad input costs no server start-up
-    found: list[dict | None] = []
+    found: list[Results | None] = []
     for inputs in checked:
         evaluation = inputs.evaluation
         try:
@@ -173,166 +176,43 @@ def _failed_message(logged: str) -> str | None:
         return None
 
 
-def _print_results(results: dict) -> None:
+def _print_results(results: "Results") -> None:
+    """What an evaluation found (reporting.results.Results): each stage's status and key, tau, then each of its
+    sections as it shows itself on the command line (dflash_core.sections)."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"drafter {Path(results['drafter']['source']).name}", show_header=True)
+    table = Table(title=f"drafter {Path(results.drafter['source']).name}", show_header=True)
     for column in ("stage", "status", "key"):
         table.add_column(column)
-    for stage, status in results["stages"].items():
-        table.add_row(stage, status, results["keys"][stage][:12])
+    for stage, status in results.stages.items():
+        table.add_row(stage, status, results.stage_keys[stage][:12])
     console = Console()
     console.print(table)
-    if "tau_macro" in results:
-        low, high = results["tau_macro_ci95"]
+    if (scores := results.scores) is not None:
+        low, high = scores.tau_macro_ci95
         console.print(
-            f"tau macro {results['tau_macro']:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {results['tau_pooled']:.3f} "
-            f"(block {results['block_size']}, {results['n_scored_prompts']} references"
-            + ("" if results["served"]["label"] == "greedy" else f", {results['served']['label']}")
-            + (f", {results['n_steps']} steps, {results['clipped_last_steps']} clipped last steps"
-               if results["served"]["draft_sample_method"] == "greedy" else
-               f", {results['n_steps']:.1f} steps and {results['clipped_last_steps']:.1f} clipped last steps expected")
-            + f"; {results['sliding_semantics']} sliding layers)"
+            f"tau macro {scores.tau_macro:.3f} (95% CI {low:.2f}-{high:.2f}), pooled {scores.tau_pooled:.3f} "
+            f"(block {scores.block_size}, {scores.n_scored_prompts} references"
+            + ("" if results.served["label"] == "greedy" else f", {results.served['label']}")
+            + (f", {scores.n_steps} steps, {scores.clipped_last_steps} clipped last steps" if not results.sampled else
+               f", {scores.n_steps:.1f} steps and {scores.clipped_last_steps:.1f} clipped last steps expected")
+            + f"; {scores.sliding_semantics} sliding layers)"
         )
-    if "benchmarks" in results:
-        _print_benchmarks(console, results["benchmarks"])
-    if "tau_drawn" in results:
-        drawn = results["tau_drawn"]
-        console.print(f"sampled drafts: tau is the expectation over the acceptance coins; one draw of them: tau macro "
-                      f"{drawn['tau_macro']:.3f}, pooled {drawn['tau_pooled']:.3f}")
-    if "selector" in results:
-        _print_selector(console, results["selector"], results["served"]["draft_sample_method"] != "greedy")
-    if "all_positions_tau" in results:
-        console.print(f"all positions: mean acceptance length {results['all_positions_tau']:.3f}")
-    if "block_sweep" in results:
-        sweep = Table(title="by block size (projected speedup: tau(b) / your step cost(b))")
-        for column in ("block size", "tau macro", "95% CI", "tau pooled", "tau / b", "projected speedup"):
-            sweep.add_column(column, justify="right")
-        for row in results["block_sweep"]:
-            low, high = row["tau_macro_ci95"]
-            speedup = f"{row['projected_speedup']:.2f}x" if "projected_speedup" in row else "-"
-            sweep.add_row(str(row["block_size"]), f"{row['tau_macro']:.3f}", f"{low:.2f}-{high:.2f}",
-                          f"{row['tau_pooled']:.3f}", f"{row['tau_per_token']:.3f}", speedup)
-        console.print(sweep)
-    if "baseline" in results:
-        b = results["baseline"]
-        console.print(f"baseline {b['source']}: tau macro {b['tau_macro']:.3f} "
-                      f"(95% CI {b['tau_macro_ci95'][0]:.2f}-{b['tau_macro_ci95'][1]:.2f})")
-    if results.get("comparisons"):
-        _print_comparisons(console, results["comparisons"])
-    if results.get("training"):
-        _print_training(console, results["training"], results["tau_macro"])
-    if "diagnostics" in results:
-        _print_diagnostics(console, results["diagnostics"])
-
-
-# how the command line names what a comparison is against (results' `comparisons`: reporting.history.comparisons)
-AGAINST = {"baseline": "baseline", "previous step": "previous step", "best": "best other"}
-
-
-def _print_comparisons(console, compared: list[dict]) -> None:
-    """This checkpoint's tau minus the baseline's, the previous step's and the best other checkpoint's, each with
-    the 95% interval of the per-reference difference: two checkpoints' own intervals overlap where the paired one
-    may lie wholly on one side of 0. One line per other checkpoint, named by every role it holds."""
-    lines: list[tuple[list[str], dict]] = []
-    for c in compared:
-        same = next((names for names, first in lines if first["checkpoint_key"] == c["checkpoint_key"]), None)
-        if same is None:
-            lines.append(([AGAINST.get(c["against"], c["against"])], c))
-        else:
-            same.append(AGAINST.get(c["against"], c["against"]))
-    console.print("paired differences: this checkpoint's tau macro minus another's, with the 95% CI of the "
-                  "per-reference difference", markup=False, soft_wrap=True)
-    for names, c in lines:
-        ci = c["difference_ci95"]
-        step = "" if c["step"] is None else f"step {c['step']}, "
-        verdict = ("" if ci is None else "; better" if ci[0] > 0 else "; worse" if ci[1] < 0 else
-                   "; no difference shown")
-        console.print(f"  {', '.join(names)}: {c['checkpoint']} ({step}tau macro {c['tau_macro']:.3f}): "
-                      f"{c['difference']:+.3f}" + ("" if ci is None else f" (paired 95% CI {ci[0]:+.3f} to "
-                                                   f"{ci[1]:+.3f})") + verdict, markup=False, soft_wrap=True)
-
-
-def _print_training(console, training: dict, tau: float) -> None:
-    """The training run beside this step (results' `training`: reporting.tracker.track, add_history): the trainer's
-    own number as logged and what its numbers imply, beside tau; the alarm's flags, or what its checks found."""
-    if not training.get("log"):
-        return
-    console.print(f"training log {training['log']}", markup=False, soft_wrap=True)
-    point, logged = training.get("at_step"), training.get("trainer_logged")
-    said = [f"tau macro {tau:.3f}"]
-    if logged:
-        said.append(f"the trainer logged {logged['tag']} {logged['value']:.3f}")
-    if point and point.get("implied") is not None:
-        said.append(f"its numbers imply an acceptance length of {point['implied']:.2f} (from {point['implied_from']})")
-    if point and len(said) > 1:
-        console.print(f"at step {point['step']}: " + "; ".join(said), markup=False, soft_wrap=True)
-    for flag in training["flags"]:
-        console.print(f"{flag['kind'].upper()} (step {flag['step']}): {flag['message']}", markup=False, soft_wrap=True)
-    if training.get("no_flag"):
-        console.print(training["no_flag"], markup=False, soft_wrap=True)
-
-
-def _print_benchmarks(console, block: dict) -> None:
-    """tau per published benchmark in z-lab's layout, the published tau beside it (reporting.benchmarks)."""
-    from rich.table import Table
-
-    from dflash_eval.reporting.benchmarks import COLUMNS, benchmark_lines, benchmark_notes
-
-    table = Table(title="tau by benchmark (* a gap beyond our 95% CI)", box=None)
-    for column in COLUMNS:
-        table.add_column(column, justify="left" if column in ("group", "benchmark") else "right")
-    for line in benchmark_lines(block):
-        table.add_row(*line.cells(), style="bold" if line.average else None)
-    console.print(table)
-    for note in benchmark_notes(block):
-        console.print(note, markup=False)
-
-
-def _print_selector(console, selector: dict, sampled: bool) -> None:
-    """A DFlash2 drafter's selector against its unary head alone (reporting.selector), and per draft position."""
-    from rich.table import Table
-
-    from dflash_eval.reporting.selector import count, selector_lines, selector_positions, share
-
-    for line in selector_lines(selector, sampled):
-        console.print(line, markup=False)
-    table = Table(title="selector by draft position" + (" (expected counts)" if sampled else ""), box=None)
-    for column in ("k", "reached", "selector", "argmax", "recall"):
-        table.add_column(column, justify="right")
-    for p in selector_positions(selector):
-        table.add_row(str(p.k), count(p.reached), share(p.selector_accuracy), share(p.argmax_accuracy),
-                      share(p.candidate_recall))
-    console.print(table)
-
-
-def _print_diagnostics(console, d: dict) -> None:
-    ablation = ", ".join(f"layer {a['layer_id']}: {a['tau_macro']:.2f}" for a in d["layer_ablation"])
-    console.print(f"ablation (one layer's features zeroed): {ablation}; all layers: {d['all_layers_ablated']:.2f}")
-    probe = ", ".join(f"{p['offset']:+d}: {p['tau_macro']:.2f}" for p in d["layer_offset_probe"] if p["tau_macro"] is not None)
-    peak = max((p for p in d["layer_offset_probe"] if p["tau_macro"] is not None), key=lambda p: p["tau_macro"])
-    console.print(f"layer-offset probe (tau with layers id+offset): {probe}"
-                  + ("" if peak["offset"] == 0 else f"  <- peaks at {peak['offset']:+d}: were the training features "
-                     f"taken from layers {peak['layer_ids']}?"))
-    if d["sliding_switch"]:
-        sw = d["sliding_switch"]
-        console.print(f"sliding semantics {sw['to']} instead of {sw['from']}: tau {sw['tau_macro']:.2f}")
-    if d.get("noise_instead_of_features") is not None:
-        console.print(f"noise instead of every feature: tau {d['noise_instead_of_features']:.2f}")
-    rates = {name: counts["rate"] for name, counts in (d.get("agreement") or {}).items() if counts["rate"] is not None}
-    if "references" in rates and "context" in rates:
-        console.print(f"first drafted token = the target's own next token: {rates['references']:.0%} of the "
-                      f"references' positions, {rates['context']:.0%} of the context's")
-    if {"offset -1", "offset 0", "offset +1"} <= rates.keys():
-        console.print(f"drafted tokens = the reference's one position earlier {rates['offset -1']:.0%}, at their "
-                      f"own {rates['offset 0']:.0%}, one later {rates['offset +1']:.0%}")
-    for finding in d.get("findings", ()):
-        console.print(f"FINDING ({finding['kind']}): {finding['message']}", markup=False)
-    for divergence in d["first_divergence"][:3]:
-        console.print(f"first divergence in {divergence['id']} at completion token {divergence['position']}: "
-                      f"after {divergence['context']!r} drafted {divergence['drafted']!r}, "
-                      f"reference {divergence['reference']!r}", markup=False)
+    context = results.context()
+    for section in results.sections():
+        for line in section.lines(context):
+            console.print(line, markup=False, soft_wrap=not section.WRAPS)
+        for shown in section.tables(context):
+            drawn = Table(title=shown.title, box=box.HEAVY_HEAD if shown.framed else None)
+            for index, column in enumerate(shown.columns):
+                drawn.add_column(column, justify="left" if index < shown.text_columns else "right")
+            for index, row in enumerate(shown.rows):
+                drawn.add_row(*row, style="bold" if index in shown.strong else None)
+            console.print(drawn)
+            for note in shown.notes:
+                console.print(note, markup=False)
 
 
 def _evaluate_by_hand(drafters: list[str], settings: Settings, out: Path | None, until: str = "scores",
@@ -472,7 +352,7 @@ def demo(
     # or what stopped it (an exception). A cached run hands over only itself.
     handed: queue.Queue[Path | TinyRun | BaseException] = queue.Queue()
     budget = thread_budget()
-    rows: list[tuple[str, dict]] = []
+    rows: list[tuple[str, Results]] = []
     first_tau: float | None = None
 
     def build(progress: BuildProgress) -> None:
@@ -537,7 +417,7 @@ def demo_build_settings():
     return TinyBuildSettings()
 
 
-def _print_demo_table(rows: list[tuple[str, dict]]) -> None:
+def _print_demo_table(rows: "list[tuple[str, Results]]") -> None:
     """tau per step, beside what the drafter's trainer logged at that step (its held-out teacher-forced accuracy,
     the acceptance length its per-position accuracies imply), and the train/eval alarm's flags."""
     typer.echo("\nstep        tau macro     95% CI  tau pooled  trainer eval acc  trainer implies  ran")
@@ -560,7 +440,7 @@ def _print_demo_table(rows: list[tuple[str, dict]]) -> None:
         typer.echo(f"warning: {problem}")
 
 
-def _print_next_steps(tiny, rows: list[tuple[str, dict]], store: str | None) -> None:
+def _print_next_steps(tiny, rows: "list[tuple[str, Results]]", store: str | None) -> None:
     """Where the results are and what to run next: the store's report, history, and TensorBoard over the tiny run's
     training log (the trainer's scalars and ours, tau by step)."""
     import shlex

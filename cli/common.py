@@ -5,13 +5,16 @@ when called)."""
 import json
 import os
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 
 from dflash_eval.services.http_server import PortInUse
 from dflash_eval.services.report_server import ReportServer
 from dflash_eval.services.tokens import TokenFileError, read_token_file
+
+if TYPE_CHECKING:
+    from dflash_eval.reporting.results import Results
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -113,16 +116,17 @@ def token_from_file(token_file: str | None, option: str) -> str | None:
         fail(str(e))
 
 
-def write_results(results: dict | list, out: Path | None) -> None:
-    """Write the results JSON to `out` (if given), or one line saying why not (exit 2)."""
+def write_results(results: "Results | dict | list", out: Path | None) -> None:
+    """Write the results JSON to `out` (if given; a Results record as its to_json), or one line saying why not
+    (exit 2)."""
     if out is None:
         return
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(results, indent=1))
+        out.write_text(json.dumps(results if isinstance(results, dict | list) else results.to_json(), indent=1))
     except OSError as e:  # checked up front; what is left: the disk filled, or someone changed the folder meanwhile
         stored = ("; the results are in the store: the same command with another --out writes them without "
-                  "recomputing anything") if isinstance(results, dict) and "store" in results else ""
+                  "recomputing anything") if not isinstance(results, list) and "store" in results else ""
         fail(f"cannot write {out}: {e.strerror}{stored}")
     typer.echo(f"results: {out}")
 

@@ -33,12 +33,13 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     Where the training run's log is found, the trainer's own number as logged (a column named by its tag, e.g.
     `trainer eval/simulated_acc_len`) and what the trainer's numbers imply beside tau, and the alarm's flags (the
     trainer's best is not the best by tau, training accuracy rising while tau does not, a train/eval gap), or,
-    where none is raised, what each check found. For DFlash2 drafters, the tau of their unary head alone and what
-    their candidate selector adds to it. Baselines (--baseline) are rows of their own, except a save of a training
-    run of the series, which stays a step of the curve."""
+    where none is raised, what each check found. Beside tau, what the checkpoints' sections add (a DFlash2 drafter's:
+    the tau of its unary head alone and what its candidate selector adds to it). Baselines (--baseline) are rows of
+    their own, except a save of a training run of the series, which stays a step of the curve."""
     from rich.console import Console
     from rich.table import Table
 
+    from dflash_eval.reporting.history import shown_beside_tau
     from dflash_eval.reporting.training_side import logged_column, side_of, training_sides
 
     opened = open_existing_store(store)
@@ -52,11 +53,11 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
     console = Console(width=160)
     for group in groups:
         sides = training_sides(group, relay_logs(group, training_log))
-        selector = any(row.unary_tau_macro is not None for row in group.rows)  # DFlash2 checkpoints among them
+        beside = [column for _, column in shown_beside_tau(group.rows)]  # the sections' values (DFlash2's selector)
         table = Table(title=group.title)
         logged_header, logged_cells = logged_column(sides, group.rows)  # the trainer's own number, as logged
         for column in ("step", "checkpoint", "tau macro", "95% CI", "tau pooled",
-                       *(("unary head", "lift") if selector else ()), "first scored (UTC)", "",
+                       *(c.short for c in beside), "first scored (UTC)", "",
                        *((logged_header, "trainer implies", "flags") if sides else ())):
             table.add_column(column)
         for index, row in enumerate(group.rows):
@@ -65,9 +66,7 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
             scored = f"{row.scored_at:%Y-%m-%d %H:%M:%S}" if row.scored_at else "-"
             cells = ["baseline" if row.baseline else step, row.label, f"{row.tau_macro:.3f}",
                      f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{row.tau_pooled:.3f}"]
-            if selector:
-                cells += ["-" if row.unary_tau_macro is None else f"{row.unary_tau_macro:.3f}",
-                          "-" if row.selector_lift is None else f"{row.selector_lift:+.3f}"]
+            cells += [c.cell(row.values.get(c.name)) for c in beside]
             cells += [scored, row.mark]
             if sides:
                 side = side_of(sides, row)
@@ -87,8 +86,8 @@ def history_command(store: StoreRoot = None, training_log: TrainingLogForRelay =
 
 def history_json(store, groups: list, training_log: str | None) -> dict:
     """What `history` shows, for scripts: {"store", "series": [{"key", "title", "setting", "rows": [...], "flags",
-    "checks"}]}, each row with its step, checkpoint, tau and interval, its verdict (a DFlash2 drafter's: its unary
-    head's tau and the selector's lift), its paired difference to the previous step and to the best other checkpoint
+    "checks"}]}, each row with its step, checkpoint, tau and interval, its verdict, the values its sections set beside
+    tau (a DFlash2 drafter's: its unary head's tau and the selector's lift), its paired difference to the previous step and to the best other checkpoint
     (`vs_previous_step`, `vs_best`: reporting.history.comparisons, or null) and, where the training log is found,
     the trainer's own number as logged (`trainer_logged`: {"tag", "value"}), what the trainer's numbers imply and
     the alarm's flags at that step; the series' `checks`: what each check of the alarm found, per training run."""
@@ -115,9 +114,8 @@ def history_json(store, groups: list, training_log: str | None) -> dict:
                 "trainer_logged": {"tag": logged[0], "value": logged[1]} if logged else None,
                 "trainer_implies": implied[0] if implied else None,
                 "flags": [f.kind for f in side.flags_at(row.step)] if side else [],
-                # DFlash2 drafters only: other rows stay as they were
-                **({"unary_tau_macro": row.unary_tau_macro, "selector_lift": row.selector_lift}
-                   if row.unary_tau_macro is not None else {}),
+                # those of its sections only (a DFlash2 drafter's selector): other rows stay as they were
+                **row.values,
             })
         series.append({"key": group.series, "title": group.title, "setting": group.setting,
                        "sliding_semantics": group.sliding_semantics, "chosen_block_size": group.chosen_block_size,

@@ -42,8 +42,8 @@ def prompts(
 
     from dflash_core.prompts import PromptError, resolve_prompts
     from dflash_core.published.benchmarks import BenchmarkError, benchmark_names, read_data_option
-    from dflash_core.published.prompt_set import benchmark_conversations
     from dflash_eval.flows.settings import Inputs, SettingsError, flag_name, settings_error
+    from dflash_eval.services.benchmark_data import benchmark_conversations
 
     try:  # the rules `run` checks (a protocol with a suite, --thinking with benchmarks): one line naming each option
         checked = Inputs.model_validate({"target": target or ".", "prompts": name, "protocol": protocol,

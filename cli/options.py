@@ -38,13 +38,6 @@ class Arch(StrEnum):
     qwen3_5 = "qwen3_5"
 
 
-class DrafterArchitecture(StrEnum):
-    """--drafter-architecture of tiny build: the architectures dflash_core.drafter_config reads."""
-
-    DFlashDraftModel = "DFlashDraftModel"
-    DFlash2DraftModel = "DFlash2DraftModel"
-
-
 class OneLineChoiceErrors(TyperGroup):
     """The root command group: a mistake on the command line (a value outside an option's choices or range, an
     unknown or missing option) is refused with one line and exit code 2, as the input checks refuse everything
@@ -179,8 +172,8 @@ def _option_type(annotation) -> tuple[Any, bool]:
         annotation = next(a for a in get_args(annotation) if a is not type(None))
     if get_origin(annotation) is Literal:
         return choice_enum(get_args(annotation)), optional
-    if get_origin(annotation) is list and get_args(annotation) == (int,):
-        return str, optional  # written "2,4,8" (the declaration reads it)
+    if get_origin(annotation) is list and get_args(annotation) in ((int,), (float,)):
+        return str, optional  # written "2,4,8" or "0,0.5" (the declaration reads it)
     return annotation, optional
 
 
@@ -336,13 +329,17 @@ def config_value(value: Any, option: TyperOption) -> Any:
         if not all(isinstance(item, str) for item in items):
             raise ValueError("a list of strings (or one string)")
         return items
-    if kind is str and option.name in SETTINGS and get_origin(_declared_type(option.name)) is list:
-        # a list setting the command line writes "2,4,8" (block_sizes): TOML's [2, 4, 8] too
-        if isinstance(value, list) and all(isinstance(b, int) and not isinstance(b, bool) for b in value):
+    if kind is str and option.name in SETTINGS and get_origin(declared := _declared_type(option.name)) is list:
+        # a list setting the command line writes "2,4,8" (block_sizes; confidence_thresholds "0,0.5"): TOML's
+        # [2, 4, 8] too
+        numbers = (int, float) if get_args(declared) == (float,) else (int,)
+        if isinstance(value, list) and all(isinstance(b, numbers) and not isinstance(b, bool) for b in value):
             return ",".join(map(str, value))
         if isinstance(value, str):
             return value
-        raise ValueError('whole numbers: a list [2, 4, 8] or a string "2,4,8"')
+        if numbers == (int,):
+            raise ValueError('whole numbers: a list [2, 4, 8] or a string "2,4,8"')
+        raise ValueError('numbers: a list [0, 0.5] or a string "0,0.5"')
     if kind is bool:
         if isinstance(value, bool):
             return value

@@ -1,5 +1,0 @@
-"""`python -m dflash_eval.flows.cli ...`, as the tests and benchmarks run the command line."""
-
-from . import main
-
-main()
