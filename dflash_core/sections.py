@@ -20,10 +20,10 @@ The renderers iterate over sections in ORDER (then registration order) and know 
 registers itself with `section` (a class decorator). Nothing here imports Prefect, the store or a plotting library.
 """
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, ClassVar, Self, TypeVar
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Self, TypeVar, cast
 
 # ORDER from which a section tells of the evaluation around the checkpoint (a block sweep, a baseline, the series'
 # comparisons, the training run, diagnostics) rather than of the checkpoint's own numbers: the run's summary puts
@@ -81,8 +81,9 @@ Served = Context  # its name before it said more than how the drafts were served
 
 
 class Section(ABC):
-    """One optional part of the results (the module docstring). Subclasses set KEY, TITLE and implement from_json and
-    to_json; the views default to showing nothing but the summary's markdown, which shows `lines` and `tables`."""
+    """One optional part of the results (the module docstring). Subclasses set KEY and TITLE and, by default, are
+    dataclasses whose one field is their JSON (else they say their from_json and to_json); the views default to
+    showing nothing but the summary's markdown, which shows `lines` and `tables`."""
 
     KEY: ClassVar[str]  # its key in the results JSON (and scores.json)
     TITLE: ClassVar[str]  # its heading in the report (and the legend's subject of its plot)
@@ -99,13 +100,14 @@ class Section(ABC):
     POSITION_AXIS: ClassVar[str] = "share of the positions reached"  # what by_position's values are
 
     @classmethod
-    @abstractmethod
     def from_json(cls, data: Any) -> Self:
-        """The section its JSON holds."""
+        """The section its JSON holds: by default a dataclass whose one field is that JSON."""
+        return cast(Any, cls)(data)
 
-    @abstractmethod
     def to_json(self) -> Any:
-        """What the results JSON holds under KEY."""
+        """What the results JSON holds under KEY: by default the section's one field."""
+        (held,) = fields(cast(Any, self))
+        return getattr(self, held.name)
 
     def lines(self, context: Context) -> list[str]:
         return []

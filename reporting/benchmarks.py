@@ -7,7 +7,7 @@ Where a published tau is pooled (DeepSpec's, the DSpark paper's Table 1), our po
 own beside our per-response tau, and the gap is the pooled one's: the notes say so."""
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 from dflash_core.sections import Context, Section, Table, markdown_table, section
 
@@ -140,13 +140,6 @@ class Benchmarks(Section):
     SHOWS_CATEGORIES: ClassVar[bool] = True  # each benchmark's prompts are a category of their own
 
     block: dict[str, Any]
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> dict[str, Any]:
-        return self.block
 
     def tables(self, context: Context) -> list[Table]:
         return [benchmark_table(self.block)]

@@ -44,13 +44,6 @@ class SampledDraws(Section):
 
     drawn: DrawnTau
 
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> DrawnTau:
-        return self.drawn
-
     def lines(self, context: Context) -> list[str]:
         return [f"sampled drafts: tau is the expectation over the acceptance coins; one draw of them: tau macro "
                 f"{self.drawn['tau_macro']:.3f}, pooled {self.drawn['tau_pooled']:.3f}"]
@@ -68,13 +61,6 @@ class AllPositions(Section):
     IN_SUMMARY: ClassVar[bool] = False
 
     tau: float
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> float:
-        return self.tau
 
     def lines(self, context: Context) -> list[str]:
         return [f"all positions: mean acceptance length {self.tau:.3f}"]
@@ -99,9 +85,6 @@ class TeacherForced(Section):
     @classmethod
     def from_json(cls, data: Any) -> Self:
         return cls(list(data))
-
-    def to_json(self) -> list[float | None]:
-        return self.accuracy
 
     def scalars(self) -> dict[str, float]:
         return {f"teacher_forced_accuracy/{k}": a for k, a in enumerate(self.accuracy, start=1) if a is not None}
@@ -139,9 +122,6 @@ class BlockSweep(Section):
     @classmethod
     def from_json(cls, data: Any) -> Self:
         return cls(list(data))
-
-    def to_json(self) -> list[BlockSizeRow]:
-        return self.rows
 
     def tables(self, context: Context) -> list[Table]:
         cells = []
@@ -193,13 +173,6 @@ class Verification(Section):
         "verified).")
 
     verification: VerificationJson
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> VerificationJson:
-        return self.verification
 
     def lines(self, context: Context) -> list[str]:
         v = self.verification
@@ -262,9 +235,6 @@ class ThresholdSweep(Section):
     def from_json(cls, data: Any) -> Self:
         return cls(list(data))
 
-    def to_json(self) -> list[ThresholdRow]:
-        return self.rows
-
     def tables(self, context: Context) -> list[Table]:
         cells = []
         for row in self.rows:
@@ -316,13 +286,6 @@ class Baseline(Section):
 
     baseline: BaselineJson
 
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> BaselineJson:
-        return self.baseline
-
     def lines(self, context: Context) -> list[str]:
         b = self.baseline
         low, high = b["tau_macro_ci95"]
@@ -367,9 +330,6 @@ class Comparisons(Section):
     @classmethod
     def from_json(cls, data: Any) -> Self:
         return cls(list(data))
-
-    def to_json(self) -> list[ComparisonJson]:
-        return self.compared
 
     def lines(self, context: Context) -> list[str]:
         """This checkpoint's tau minus the baseline's, the previous step's and the best other checkpoint's, each with
@@ -426,13 +386,6 @@ class Training(Section):
     WRAPS: ClassVar[bool] = False
 
     training: TrainingJson
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> TrainingJson:
-        return self.training
 
     def lines(self, context: Context) -> list[str]:
         training = self.training
@@ -495,13 +448,6 @@ class Diagnostics(Section):
     IN_SUMMARY: ClassVar[bool] = False
 
     report: dict[str, Any]
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> dict[str, Any]:
-        return self.report
 
     def lines(self, context: Context) -> list[str]:
         d = self.report

@@ -13,7 +13,7 @@ so that no other test sees a generation the package does not have.
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -98,13 +98,6 @@ class ToySection(Section):
                                                    "base_accuracy": "base would have been"}
 
     numbers: dict
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> dict:
-        return self.numbers
 
     def lines(self, context: Context) -> list[str]:
         return [f"toy head: base alone tau macro {self.numbers['base_tau_macro']:.3f}, toy lift "

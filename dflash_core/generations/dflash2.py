@@ -25,7 +25,7 @@ names, as a PyTorch module or a trainer saves them, are read too).
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -293,13 +293,6 @@ class SelectorSection(Section):
                                                    "candidate_recall": "reference among the K candidates"}
 
     summary: dict  # SelectorJson
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> dict:
-        return self.summary
 
     def positions(self) -> list[tuple[int, float, list[float | None]]]:
         """(k, positions reached, the three SHARES) for k = 1..B-1."""

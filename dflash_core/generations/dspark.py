@@ -25,7 +25,7 @@ the Markov head's lift over it with a paired interval, per draft position how of
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, ClassVar, Self, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import nn
@@ -250,13 +250,6 @@ class MarkovSection(Section):
 
     summary: dict
 
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> dict:
-        return self.summary
-
     def positions(self) -> list[tuple[int, float, list[float | None]]]:
         """(k, positions reached, the SHARES) for k = 1..B-1."""
         return [(k, reached, list(values)) for k, (reached, *values) in
@@ -370,13 +363,6 @@ class ConfidenceSection(Section):
     CURVE_AXES: ClassVar[tuple[str, str]] = ("predicted acceptance (bin mean)", "share accepted")
 
     summary: dict
-
-    @classmethod
-    def from_json(cls, data: Any) -> Self:
-        return cls(data)
-
-    def to_json(self) -> dict:
-        return self.summary
 
     def lines(self, context: Served) -> list[str]:
         o = self.summary["overall"]
